@@ -1,0 +1,136 @@
+"""Every task a person or CI runs: `nox -s tests`, `tests-gpu`, `lint`, `typecheck`, `bench`, `demo`.
+
+Each package is installed from its own metadata into a fresh virtual environment that holds only
+that package and what it declares, so an undeclared import fails here as it would for a user.
+Torch is installed first from a pin (constraints.txt, or $ZSTACK_TORCH on GPU machines): an
+unpinned `torch` would download the newest CUDA build, gigabytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ["zpipe", "zcomm", "zpartition", "zoffload", "zengine"]
+CONSTRAINTS = str(ROOT / "constraints.txt")
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.default_venv_backend = "virtualenv"
+
+
+def _requirement_name(requirement: str) -> str:
+    match = re.match(r"[A-Za-z0-9_.\-]+", requirement)
+    assert match, requirement
+    return match.group(0).lower().replace("_", "-")
+
+
+def _declared(package: str) -> list[str]:
+    """The dependency names in a package's pyproject (not its extras)."""
+    pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    return [_requirement_name(r) for r in pyproject["project"]["dependencies"]]
+
+
+def _closure(package: str) -> list[str]:
+    """The package and every sibling it needs, transitively, dependencies first."""
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        for dependency in _declared(name):
+            if dependency in PACKAGES and dependency not in order:
+                visit(dependency)
+        if name not in order:
+            order.append(name)
+
+    visit(package)
+    return order
+
+
+def _needs_torch(packages: list[str]) -> bool:
+    return any("torch" in _declared(p) for p in packages)
+
+
+def _install(session: nox.Session, packages: list[str], *extra: str) -> None:
+    """Torch from the pin first (if any package needs it), then the packages from their paths."""
+    if _needs_torch(packages):
+        torch_spec = os.environ.get("ZSTACK_TORCH")
+        if torch_spec:
+            session.install(*shlex.split(torch_spec))
+        else:
+            session.install("-c", CONSTRAINTS, "torch")
+    paths = [str(ROOT / "packages" / p) for p in packages]
+    session.install("-c", CONSTRAINTS, *paths, *extra)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests, in a venv holding only it and what it declares."""
+    _install(session, _closure(package), *TEST_DEPS)
+    session.run("pytest", str(ROOT / "packages" / package / "tests"), "-m", "not gpu", *session.posargs)
+
+
+@nox.session(name="tests-gpu")
+def tests_gpu(session: nox.Session) -> None:
+    """The tests marked `gpu`, all packages in one env; fails loudly without a CUDA device."""
+    _install(session, PACKAGES, *TEST_DEPS)
+    session.run(
+        "python",
+        "-c",
+        "import sys, torch; sys.exit(0 if torch.cuda.is_available() else "
+        "'tests-gpu: no CUDA device is visible (torch.cuda.is_available() is False)')",
+    )
+    test_dirs = [str(ROOT / "packages" / p / "tests") for p in PACKAGES]
+    session.run("pytest", *test_dirs, "-m", "gpu", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, and the import-boundary contracts of DESIGN.md (import-linter)."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+    src_dirs = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+    session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"), env={"PYTHONPATH": src_dirs})
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on every package, its tests, the benchmarks and the examples."""
+    session.install("-c", CONSTRAINTS, "torch", "mypy>=1.10", *TEST_DEPS)
+    config = ["--config-file", str(ROOT / "pyproject.toml")]
+    for package in PACKAGES:
+        package_dir = ROOT / "packages" / package
+        session.run("mypy", *config, str(package_dir / "src"), str(package_dir / "tests"))
+    session.run("mypy", *config, str(ROOT / "bench"), str(ROOT / "noxfile.py"))
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The benchmarks in bench/, side by side with the peers. `nox -s bench -- zpipe` runs one."""
+    _install(session, PACKAGES)
+    chosen = session.posargs or [p.stem.removeprefix("bench_") for p in sorted(ROOT.glob("bench/bench_*.py"))]
+    for name in chosen:
+        session.run("python", str(ROOT / "bench" / f"bench_{name}.py"))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job. Until zengine trains, it prints a real pipeline schedule, validated."""
+    _install(session, ["zpipe"])
+    session.run(
+        "zpipe",
+        "interleaved",
+        "--stages=4",
+        "--micro-batches=8",
+        "--chunks=2",
+        "--backward=2",
+        *session.posargs,
+    )
+    session.run("zpipe", "zb-h1", "--stages=4", "--micro-batches=8", "--backward=1", "--weight=1")

@@ -1,0 +1,5 @@
+"""Move training state to pinned host memory or NVMe and back, bit-exact, with a CuPy fast path on CUDA."""
+
+from zoffload.__about__ import __version__
+
+__all__ = ["__version__"]
