@@ -1,4 +1,4 @@
-"""Every task a person or CI runs: `nox -s tests`, `tests-gpu`, `lint`, `typecheck`, `bench`, `demo`.
+"""Every task a person or CI runs: tests, tests-gpu, lint, typecheck, bench, demo.
 
 Each package is installed from its own metadata into a fresh virtual environment that holds only
 that package and what it declares, so an undeclared import fails here as it would for a user.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 PACKAGES = ["zpipe", "zcomm", "zpartition", "zoffload", "zengine"]
@@ -73,7 +73,9 @@ def _install(session: nox.Session, packages: list[str], *extra: str) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, in a venv holding only it and what it declares."""
     _install(session, _closure(package), *TEST_DEPS)
-    session.run("pytest", str(ROOT / "packages" / package / "tests"), "-m", "not gpu", *session.posargs)
+    session.run(
+        "pytest", str(ROOT / "packages" / package / "tests"), "-m", "not gpu", *session.posargs
+    )
 
 
 @nox.session(name="tests-gpu")
@@ -97,7 +99,9 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", str(ROOT))
     session.run("ruff", "format", "--check", str(ROOT))
     src_dirs = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
-    session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"), env={"PYTHONPATH": src_dirs})
+    session.run(
+        "lint-imports", "--config", str(ROOT / "pyproject.toml"), env={"PYTHONPATH": src_dirs}
+    )
 
 
 @nox.session
@@ -115,7 +119,9 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The benchmarks in bench/, side by side with the peers. `nox -s bench -- zpipe` runs one."""
     _install(session, PACKAGES)
-    chosen = session.posargs or [p.stem.removeprefix("bench_") for p in sorted(ROOT.glob("bench/bench_*.py"))]
+    chosen = session.posargs or [
+        p.stem.removeprefix("bench_") for p in sorted(ROOT.glob("bench/bench_*.py"))
+    ]
     for name in chosen:
         session.run("python", str(ROOT / "bench" / f"bench_{name}.py"))
 

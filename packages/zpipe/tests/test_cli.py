@@ -51,7 +51,9 @@ def test_bad_arguments(argv, message, capsys):
 def test_python_dash_m_and_console_script():
     done = subprocess.run(
         [sys.executable, "-m", "zpipe", "gpipe", "-p", "2", "-m", "2"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "GPipeSchedule: 2 stages" in done.stdout
     script = shutil.which("zpipe")

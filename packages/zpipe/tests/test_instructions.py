@@ -1,5 +1,7 @@
 """Instructions keep DeepSpeed's shape: kwargs, attributes, repr, dispatch by type."""
 
+from collections.abc import Callable
+
 import pytest
 
 import zpipe
@@ -23,7 +25,7 @@ def test_annotations_ride_outside_kwargs():
 def test_extra_kwargs_become_attributes():
     cmd = schedule.SendActivation(0, tag="x")
     assert cmd.kwargs == {"buffer_id": 0, "tag": "x"}
-    assert cmd.tag == "x"
+    assert getattr(cmd, "tag") == "x"  # noqa: B009
     plain = schedule.OptimizerStep()
     assert plain.kwargs == {}
     assert repr(plain) == "OptimizerStep()"
@@ -47,8 +49,8 @@ def test_user_instruction_subclass_is_named_after_its_class():
 
 def test_engine_style_dispatch():
     """What DeepSpeed's PipelineEngine does: a map from type to handler, called with kwargs."""
-    seen = []
-    handlers = {
+    seen: list[tuple[object, ...]] = []
+    handlers: dict[type, Callable[..., None]] = {
         schedule.LoadMicroBatch: lambda buffer_id: seen.append(("load", buffer_id)),
         schedule.ForwardPass: lambda buffer_id: seen.append(("fwd", buffer_id)),
         schedule.BackwardPass: lambda buffer_id: seen.append(("bwd", buffer_id)),

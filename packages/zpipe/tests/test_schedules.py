@@ -29,7 +29,11 @@ def test_interleaved_runs_every_chunk_of_every_micro_batch():
     sched = schedule.Interleaved1F1BSchedule(micro_batches=6, stages=3, stage_id=2, chunks=2)
     assert sched.chunks == 2
     assert [sched.virtual_stage(c) for c in range(2)] == [2, 5]
-    forwards = {(c.micro_batch_id, c.chunk_id) for c in computes(sched) if isinstance(c, schedule.ForwardPass)}
+    forwards = {
+        (c.micro_batch_id, c.chunk_id)
+        for c in computes(sched)
+        if isinstance(c, schedule.ForwardPass)
+    }
     assert forwards == {(mb, chunk) for mb in range(6) for chunk in range(2)}
 
 

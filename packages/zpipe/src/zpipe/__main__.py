@@ -19,7 +19,8 @@ def _costs(text: str) -> float | list[float]:
     try:
         values = [float(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or numbers with commas, got {text!r}")
+        message = f"expected a number or numbers with commas, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
     return values[0] if len(values) == 1 else values
 
 
@@ -64,8 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = validate(cls, m, p, **kwargs)
         result = simulate(
-            cls, m, p, forward=args.forward, backward=args.backward, weight=args.weight,
-            comm=args.comm, **kwargs,
+            cls,
+            m,
+            p,
+            forward=args.forward,
+            backward=args.backward,
+            weight=args.weight,
+            comm=args.comm,
+            **kwargs,
         )
     except ScheduleError as error:
         print(f"zpipe: {cls.__name__} is unsafe: {error}", file=sys.stderr)

@@ -19,7 +19,10 @@ class GPipeSchedule(PlannedSchedule):
     Bubble fraction (p-1)/(m+p-1); peak activations m micro-batches on every stage.
     """
 
-    order_fn = staticmethod(gpipe_orders)
+    @staticmethod
+    def compute_orders(micro_batches: int, stages: int, chunks: int) -> list[list[Op]]:
+        """See `gpipe_orders`."""
+        return gpipe_orders(micro_batches, stages, chunks)
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int) -> None:
         super().__init__(micro_batches, stages, stage_id)

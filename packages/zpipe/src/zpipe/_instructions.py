@@ -24,7 +24,9 @@ class PipeInstruction:
         super().__init_subclass__(**kwargs)
         cls.name = cls.__name__
 
-    def __init__(self, *, micro_batch_id: int | None = None, chunk_id: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self, *, micro_batch_id: int | None = None, chunk_id: int = 0, **kwargs: Any
+    ) -> None:
         self.kwargs = kwargs
         self.micro_batch_id = micro_batch_id
         self.chunk_id = chunk_id
@@ -93,7 +95,7 @@ class LoadMicroBatch(BufferOpInstruction):
 
 
 class ForwardPass(BufferOpInstruction):
-    """Run the forward of this stage (or chunk) on the buffer's inputs; the last computes the loss."""
+    """Run this stage's (or chunk's) forward on the buffer's inputs; the last adds the loss."""
 
 
 class BackwardPass(BufferOpInstruction):

@@ -45,7 +45,10 @@ class Interleaved1F1BSchedule(PlannedSchedule):
     Works for any number of micro-batches; the closed form holds when `stages` divides it.
     """
 
-    order_fn = staticmethod(interleaved_orders)
+    @staticmethod
+    def compute_orders(micro_batches: int, stages: int, chunks: int) -> list[list[Op]]:
+        """See `interleaved_orders`."""
+        return interleaved_orders(micro_batches, stages, chunks)
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int = 2) -> None:
         check_positive("chunks", chunks)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterator
-from typing import ClassVar
 
 from zpipe import _instructions
 from zpipe._base import PipeSchedule, Step
-from zpipe._plan import OrderFn, Plan, cached_plan
+from zpipe._plan import Op, Plan, cached_plan
 
 _CLASSES: dict[str, type[_instructions.BufferOpInstruction]] = {
     cls.__name__: cls
@@ -23,9 +23,6 @@ class PlannedSchedule(PipeSchedule):
     also reduces the gradients (tied ones first) and steps the optimizer, as in TrainSchedule.
     """
 
-    #: builds every stage's compute order from (micro_batches, stages, chunks)
-    order_fn: ClassVar[OrderFn]
-
     def __init__(self, micro_batches: int, stages: int, stage_id: int, *, chunks: int = 1) -> None:
         super().__init__(micro_batches, stages, stage_id)
         self.chunks = chunks
@@ -33,7 +30,13 @@ class PlannedSchedule(PipeSchedule):
     @property
     def plan(self) -> Plan:
         """The plan of all stages (built once per shape and cached)."""
-        return cached_plan(type(self).order_fn, self.micro_batches, self.stages, self.chunks)
+        return cached_plan(type(self).compute_orders, self.micro_batches, self.stages, self.chunks)
+
+    @staticmethod
+    @abstractmethod
+    def compute_orders(micro_batches: int, stages: int, chunks: int) -> list[list[Op]]:
+        """Every stage's computations, in order: (kind, micro-batch, chunk) with kind one of
+        "F", "B", or the split "I" and "W". The plan adds communication and buffers."""
 
     def steps(self) -> Iterator[Step]:
         """Yield this stage's steps."""

@@ -28,7 +28,12 @@ from zpipe._instructions import (
 )
 from zpipe._render import render_timeline
 
-_KIND = {ForwardPass: "F", BackwardPass: "B", BackwardInputPass: "I", BackwardWeightPass: "W"}
+_KIND: dict[type[PipeInstruction], str] = {
+    ForwardPass: "F",
+    BackwardPass: "B",
+    BackwardInputPass: "I",
+    BackwardWeightPass: "W",
+}
 _FINAL = {"B", "W"}  # the backward pass after which an activation is freed
 
 
@@ -66,7 +71,9 @@ class Simulation:
 
 
 def _per_stage(name: str, value: float | Sequence[float], stages: int) -> list[float]:
-    values = [float(value)] * stages if isinstance(value, int | float) else [float(v) for v in value]
+    values = (
+        [float(value)] * stages if isinstance(value, int | float) else [float(v) for v in value]
+    )
     if len(values) != stages:
         raise ValueError(f"{name} has {len(values)} costs, one per stage needs {stages}")
     if any(v < 0 for v in values):

@@ -39,7 +39,9 @@ INPUT, LABELS, FORWARD, GRAD_IN, BWD_INPUT, BWD_WEIGHT, ACT_SENT, GRAD_SENT, DEA
     1 << i for i in range(9)
 )
 # Instruction codes. Sends and receives are the codes from SEND_ACT up.
-LOAD, FWD, BWD, BWD_I, BWD_W, STEP, TIED, OTHER, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = range(12)
+LOAD, FWD, BWD, BWD_I, BWD_W, STEP, TIED, OTHER, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = range(
+    12
+)
 _CODES = {
     LoadMicroBatch: LOAD,
     ForwardPass: FWD,
@@ -134,9 +136,11 @@ class _Stage:
     def claim(self, entry: _Entry, micro_batch: int) -> _Record:
         """The record a load or receive writes to; never one still needed by another batch."""
         record = self.buffers.get(entry.buffer)
-        if record is not None and record.micro_batch == micro_batch:
-            if record.virtual == entry.virtual:
-                return record
+        if record is not None and (record.micro_batch, record.virtual) == (
+            micro_batch,
+            entry.virtual,
+        ):
+            return record
         if record is not None and not record.flags & DEAD:
             raise self.fail(
                 f"overwrites buffer {entry.buffer} with micro-batch {micro_batch} while it holds "
@@ -261,7 +265,9 @@ def _a(noun: str) -> str:
     return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
 
 
-def _decode(schedule: PipeSchedule, program: list[tuple[int, PipeInstruction]], last: int) -> list[_Entry]:
+def _decode(
+    schedule: PipeSchedule, program: list[tuple[int, PipeInstruction]], last: int
+) -> list[_Entry]:
     """Each instruction as ints: what it is, its buffer, its virtual stage and its peer."""
     virtuals = [schedule.virtual_stage(chunk) for chunk in range(schedule.chunks)]
     owners = [schedule.owner(v)[0] for v in range(last + 1)] + [-1]  # owners[-1]: none
@@ -285,7 +291,9 @@ def _build_stages(
     schedules = build_stages(schedule_cls, micro_batches, stages, **kwargs)
     steps = [[(i, cmd) for i, step in enumerate(sched) for cmd in step] for sched in schedules]
     last = stages * schedules[0].chunks - 1
-    decoded = [_decode(sched, program, last) for sched, program in zip(schedules, steps, strict=True)]
+    decoded = [
+        _decode(sched, program, last) for sched, program in zip(schedules, steps, strict=True)
+    ]
     training = any(e.code in (BWD, BWD_I) for entries in decoded for e in entries)
     built = []
     for index, (schedule, program) in enumerate(zip(schedules, steps, strict=True)):
@@ -294,7 +302,9 @@ def _build_stages(
         buffers = schedule.num_pipe_buffers()
         for stage.pos, entry in enumerate(entries):
             if entry.buffer != -1 and not 0 <= entry.buffer < buffers:
-                raise stage.fail(f"buffer_id {entry.buffer} is outside num_pipe_buffers()={buffers}")
+                raise stage.fail(
+                    f"buffer_id {entry.buffer} is outside num_pipe_buffers()={buffers}"
+                )
         stage.pos = 0
         built.append(stage)
     return built

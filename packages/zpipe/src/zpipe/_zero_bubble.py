@@ -46,7 +46,10 @@ class ZeroBubbleH1Schedule(PlannedSchedule):
     Emits BackwardInputPass and BackwardWeightPass instead of BackwardPass.
     """
 
-    order_fn = staticmethod(zero_bubble_h1_orders)
+    @staticmethod
+    def compute_orders(micro_batches: int, stages: int, chunks: int) -> list[list[Op]]:
+        """See `zero_bubble_h1_orders`."""
+        return zero_bubble_h1_orders(micro_batches, stages, chunks)
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int) -> None:
         super().__init__(micro_batches, stages, stage_id)
