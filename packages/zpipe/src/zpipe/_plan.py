@@ -22,26 +22,45 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zpipe._errors import ScheduleError
+from zpipe._instructions import (
+    BackwardInputPass,
+    BackwardPass,
+    BackwardWeightPass,
+    BufferOpInstruction,
+    ForwardPass,
+    LoadMicroBatch,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+)
 
 #: A computation in a stage's order: (kind, micro-batch, chunk), kind one of "F", "B", "I", "W".
 Op = tuple[str, int, int]
-#: An instruction before it is built: (class name, buffer id, micro-batch, chunk).
-RawInstruction = tuple[str, int, int, int]
 
 PLANNING_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-_COMPUTE_NAME = {
-    "F": "ForwardPass",
-    "B": "BackwardPass",
-    "I": "BackwardInputPass",
-    "W": "BackwardWeightPass",
+_COMPUTE: dict[str, type[BufferOpInstruction]] = {
+    "F": ForwardPass,
+    "B": BackwardPass,
+    "I": BackwardInputPass,
+    "W": BackwardWeightPass,
 }
+_COMM: dict[str, type[BufferOpInstruction]] = {
+    cls.__name__: cls for cls in (SendActivation, RecvActivation, SendGrad, RecvGrad)
+}
+#: A stage's stream before buffers are assigned: (instruction class, micro-batch, chunk).
+Unbuffered = tuple[type[BufferOpInstruction], int, int]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The instruction steps of every stage, and each stage's buffer count."""
+    """The instruction steps of every stage, and each stage's buffer count.
 
-    steps: tuple[tuple[tuple[RawInstruction, ...], ...], ...]
+    The instructions are built once and shared by every iteration of the schedule: an engine
+    iterates its schedule every batch, and rebuilding them would cost more than running them.
+    """
+
+    steps: tuple[tuple[tuple[BufferOpInstruction, ...], ...], ...]
     buffers: tuple[int, ...]
 
 
@@ -149,7 +168,7 @@ def _stream(
     stage: int,
     stages: int,
     chunks: int,
-) -> list[tuple[str, int, int]]:
+) -> list[Unbuffered]:
     """Merge a stage's computations and communication into one stream, in planned time.
 
     A message comes at its key's time, a computation at its planned start, messages first at
@@ -165,59 +184,57 @@ def _stream(
         start = ends[pos] - PLANNING_COSTS[kind]
         events.append((start, 1, pos, kind, mb, chunk))
     events.sort()
-    stream: list[tuple[str, int, int]] = []
+    stream: list[Unbuffered] = []
     for _, is_compute, _, name, mb, chunk in events:
         if is_compute and name == "F" and chunk * stages + stage in (0, last):
-            stream.append(("LoadMicroBatch", mb, chunk))
-        stream.append((_COMPUTE_NAME[name] if is_compute else name, mb, chunk))
+            stream.append((LoadMicroBatch, mb, chunk))
+        stream.append((_COMPUTE[name] if is_compute else _COMM[name], mb, chunk))
     return stream
 
 
-def _assign_buffers(stream: list[tuple[str, int, int]]) -> tuple[list[RawInstruction], int]:
-    """Give each (micro-batch, chunk) the lowest free buffer from its first to its last use."""
+def _lower_stage(
+    stream: list[Unbuffered],
+) -> tuple[tuple[tuple[BufferOpInstruction, ...], ...], int]:
+    """Build the instructions, each (micro-batch, chunk) in the lowest buffer free from its
+    first use to its last, grouped in steps: one computation each, with the communication
+    issued just before it. Returns the steps and the most buffers in use at once."""
     last_use = {(mb, chunk): i for i, (_, mb, chunk) in enumerate(stream)}
     held: dict[tuple[int, int], int] = {}
     free: list[int] = []  # a heap
     peak = 0
-    out: list[RawInstruction] = []
-    for i, (name, mb, chunk) in enumerate(stream):
+    steps: list[tuple[BufferOpInstruction, ...]] = []
+    current: list[BufferOpInstruction] = []
+    for i, (cls, mb, chunk) in enumerate(stream):
         key = (mb, chunk)
         buffer = held.get(key)
         if buffer is None:
             buffer = held[key] = heapq.heappop(free) if free else peak
             peak = max(peak, buffer + 1)
-        out.append((name, buffer, mb, chunk))
+        current.append(cls(buffer, micro_batch_id=mb, chunk_id=chunk))
         if last_use[key] == i:
             heapq.heappush(free, held.pop(key))
-    return out, peak
-
-
-def _group_steps(raw: list[RawInstruction]) -> list[tuple[RawInstruction, ...]]:
-    """One step per computation, holding the communication issued just before it."""
-    steps: list[tuple[RawInstruction, ...]] = []
-    current: list[RawInstruction] = []
-    for instruction in raw:
-        current.append(instruction)
-        if instruction[0] in _COMPUTE_NAME.values():
+        if cls in _COMPUTES:
             steps.append(tuple(current))
             current = []
     if current:  # trailing sends belong to the last step
         steps[-1] = steps[-1] + tuple(current)
-    return steps
+    return tuple(steps), peak
+
+
+_COMPUTES = frozenset(_COMPUTE.values())
 
 
 def build_plan(orders: Sequence[Sequence[Op]], stages: int, chunks: int) -> Plan:
     """Lower per-stage compute orders to instruction steps, buffers assigned."""
     ends = time_orders(orders, stages, chunks, PLANNING_COSTS)
     comms = _comm_ops(orders, ends, stages, chunks)
-    all_steps = []
-    buffers = []
-    for stage, order in enumerate(orders):
-        stream = _stream(order, ends[stage], comms[stage], stage, stages, chunks)
-        raw, peak = _assign_buffers(stream)
-        all_steps.append(tuple(_group_steps(raw)))
-        buffers.append(peak)
-    return Plan(steps=tuple(all_steps), buffers=tuple(buffers))
+    lowered = [
+        _lower_stage(_stream(order, ends[stage], comms[stage], stage, stages, chunks))
+        for stage, order in enumerate(orders)
+    ]
+    return Plan(
+        steps=tuple(steps for steps, _ in lowered), buffers=tuple(peak for _, peak in lowered)
+    )
 
 
 OrderFn = Callable[[int, int, int], list[list[Op]]]

@@ -9,12 +9,6 @@ from zpipe import _instructions
 from zpipe._base import PipeSchedule, Step
 from zpipe._plan import Op, Plan, cached_plan
 
-_CLASSES: dict[str, type[_instructions.BufferOpInstruction]] = {
-    cls.__name__: cls
-    for cls in vars(_instructions).values()
-    if isinstance(cls, type) and issubclass(cls, _instructions.BufferOpInstruction)
-}
-
 
 class PlannedSchedule(PipeSchedule):
     """A training schedule whose steps come from a plan shared by all stages.
@@ -39,20 +33,16 @@ class PlannedSchedule(PipeSchedule):
         "F", "B", or the split "I" and "W". The plan adds communication and buffers."""
 
     def steps(self) -> Iterator[Step]:
-        """Yield this stage's steps."""
-        raw_steps = self.plan.steps[self.stage_id]
-        for index, raw_step in enumerate(raw_steps):
-            cmds: Step = [
-                _CLASSES[name](buffer, micro_batch_id=mb, chunk_id=chunk)
-                for name, buffer, mb, chunk in raw_step
-            ]
-            if index == len(raw_steps) - 1:
-                cmds += [
-                    _instructions.ReduceTiedGrads(),
-                    _instructions.ReduceGrads(),
-                    _instructions.OptimizerStep(),
-                ]
-            yield cmds
+        """Yield this stage's steps (the instructions are shared between iterations)."""
+        planned = self.plan.steps[self.stage_id]
+        for step in planned[:-1]:
+            yield list(step)
+        yield [
+            *planned[-1],
+            _instructions.ReduceTiedGrads(),
+            _instructions.ReduceGrads(),
+            _instructions.OptimizerStep(),
+        ]
 
     def num_pipe_buffers(self) -> int:
         """The most buffers this stage holds at once (computed from the plan)."""

@@ -269,20 +269,23 @@ def _decode(
     schedule: PipeSchedule, program: list[tuple[int, PipeInstruction]], last: int
 ) -> list[_Entry]:
     """Each instruction as ints: what it is, its buffer, its virtual stage and its peer."""
-    virtuals = [schedule.virtual_stage(chunk) for chunk in range(schedule.chunks)]
-    owners = [schedule.owner(v)[0] for v in range(last + 1)] + [-1]  # owners[-1]: none
-    entries = []
-    new = tuple.__new__  # _Entry(...) costs a Python-level call per instruction
-    for step, cmd in program:
-        code = _CODES.get(type(cmd), OTHER)
-        virtual = virtuals[cmd.chunk_id]
-        peer = -1
-        if code >= SEND_ACT:
-            peer_virtual = virtual + 1 if code in (SEND_ACT, RECV_GRAD) else virtual - 1
-            peer = owners[peer_virtual] if peer_virtual <= last else -1
-        buffer = cmd.kwargs.get("buffer_id", -1)
-        entries.append(new(_Entry, (code, buffer, virtual, peer, cmd.micro_batch_id, step)))
-    return entries
+    by_chunk = [schedule.virtual_stage(chunk) for chunk in range(schedule.chunks)]
+    owners = [schedule.owner(v)[0] for v in range(last + 1)] + [-1]  # owners[-1]: no peer
+    commands = [cmd for _, cmd in program]
+    # One comprehension per field: an instruction costs a few C-level calls, not a Python call.
+    codes = [_CODES.get(type(cmd), OTHER) for cmd in commands]
+    virtuals = [by_chunk[cmd.chunk_id] for cmd in commands]
+    downstream = (SEND_ACT, RECV_GRAD)
+    peers = [
+        -1 if code < SEND_ACT else owners[min(v + 1 if code in downstream else v - 1, last + 1)]
+        for code, v in zip(codes, virtuals, strict=True)
+    ]
+    buffers = [cmd.kwargs.get("buffer_id", -1) for cmd in commands]
+    micro_batches = [cmd.micro_batch_id for cmd in commands]
+    steps = [step for step, _ in program]
+    fields = zip(codes, buffers, virtuals, peers, micro_batches, steps, strict=True)
+    new = tuple.__new__  # _Entry(...) would cost a Python-level call per instruction
+    return [new(_Entry, entry) for entry in fields]
 
 
 def _build_stages(
@@ -300,12 +303,11 @@ def _build_stages(
         entries = decoded[index]
         stage = _Stage(index, schedule, [cmd for _, cmd in program], entries, last, training)
         buffers = schedule.num_pipe_buffers()
-        for stage.pos, entry in enumerate(entries):
-            if entry.buffer != -1 and not 0 <= entry.buffer < buffers:
-                raise stage.fail(
-                    f"buffer_id {entry.buffer} is outside num_pipe_buffers()={buffers}"
-                )
-        stage.pos = 0
+        outside = [i for i, e in enumerate(entries) if not -1 <= e.buffer < buffers]
+        if outside:
+            stage.pos = outside[0]
+            bad = entries[outside[0]].buffer
+            raise stage.fail(f"buffer_id {bad} is outside num_pipe_buffers()={buffers}")
         built.append(stage)
     return built
 
