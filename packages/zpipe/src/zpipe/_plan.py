@@ -20,8 +20,10 @@ import functools
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from zpipe._errors import ScheduleError
+from zpipe._gc import paused_gc
 from zpipe._instructions import (
     BackwardInputPass,
     BackwardPass,
@@ -44,9 +46,6 @@ _COMPUTE: dict[str, type[BufferOpInstruction]] = {
     "B": BackwardPass,
     "I": BackwardInputPass,
     "W": BackwardWeightPass,
-}
-_COMM: dict[str, type[BufferOpInstruction]] = {
-    cls.__name__: cls for cls in (SendActivation, RecvActivation, SendGrad, RecvGrad)
 }
 #: A stage's stream before buffers are assigned: (instruction class, micro-batch, chunk).
 Unbuffered = tuple[type[BufferOpInstruction], int, int]
@@ -74,8 +73,9 @@ def time_orders(
     last = stages * chunks - 1
     # End times by what a computation makes available, keyed by (micro-batch, virtual stage):
     # the output (F) and the input gradient (B or I).
-    forward_done: dict[tuple[int, int], float] = {}
-    grad_done: dict[tuple[int, int], float] = {}
+    forward_done: dict[int, float] = {}  # keyed by micro-batch * width + virtual stage
+    grad_done: dict[int, float] = {}
+    width = last + 1
     ends: list[list[float]] = [[] for _ in range(stages)]
     clock = [0.0] * stages
     remaining = sum(len(order) for order in orders)
@@ -86,22 +86,23 @@ def time_orders(
             while len(stage_ends) < len(order):
                 kind, mb, chunk = order[len(stage_ends)]
                 vs = chunk * stages + stage
+                key = mb * width + vs
                 if kind == "F":
-                    ready = forward_done.get((mb, vs - 1), -1.0) if vs > 0 else 0.0
+                    ready = forward_done.get(key - 1, -1.0) if vs > 0 else 0.0
                 elif kind == "W":
-                    ready = grad_done.get((mb, vs), -1.0)
+                    ready = grad_done.get(key, -1.0)
                 else:
-                    ready = forward_done.get((mb, vs), -1.0)
+                    ready = forward_done.get(key, -1.0)
                     if vs < last and ready >= 0:
-                        grad = grad_done.get((mb, vs + 1), -1.0)
+                        grad = grad_done.get(key + 1, -1.0)
                         ready = max(ready, grad) if grad >= 0 else -1.0
                 if ready < 0:
                     break
                 now = max(now, ready) + costs[kind]
                 if kind == "F":
-                    forward_done[(mb, vs)] = now
+                    forward_done[key] = now
                 elif kind != "W":
-                    grad_done[(mb, vs)] = now
+                    grad_done[key] = now
                 stage_ends.append(now)
                 remaining -= 1
             clock[stage] = now
@@ -116,48 +117,33 @@ def time_orders(
     return ends
 
 
-#: A send or receive before merging: (time, virtual stage, micro-batch, kind, side, instruction,
-#: compute position, chunk). The first five fields are the global order of the Note above.
-Comm = tuple[float, int, int, int, int, str, int, int]
+#: A send or receive, as an event of its stage: (time, 0, virtual stage, micro-batch, kind,
+#: side, instruction class, chunk). Time to side is the global order of the Note above; side 1
+#: puts a local hand-off's receive after its send. The 0 sorts messages before computations
+#: that start at the same time.
+Comm = tuple[float, int, int, int, int, int, type[BufferOpInstruction], int]
 
 
 def _comm_ops(
     orders: Sequence[Sequence[Op]], ends: list[list[float]], stages: int, chunks: int
 ) -> list[list[Comm]]:
-    """Each stage's sends and receives, sorted in the global message order."""
-    width = stages * chunks  # virtual stages; keys below are mb * width + virtual stage
-    consumes_act: dict[int, int] = {}  # key -> position of the forward that receives it
-    consumes_grad: dict[int, int] = {}  # key -> position of the backward that receives it
-    for stage, order in enumerate(orders):
-        for pos, (kind, mb, chunk) in enumerate(order):
-            key = mb * width + chunk * stages + stage
-            if kind == "F":
-                consumes_act[key] = pos
-            elif kind != "W":
-                consumes_grad[key] = pos
+    """Each stage's sends and receives, each at the time its message is produced."""
+    last = stages * chunks - 1
     comms: list[list[Comm]] = [[] for _ in range(stages)]
     for stage, order in enumerate(orders):
         stage_ends, out = ends[stage], comms[stage]
         for pos, (kind, mb, chunk) in enumerate(order):
             vs = chunk * stages + stage
-            time = stage_ends[pos]
-            if kind == "F" and vs < width - 1:
-                target = vs + 1
-                out.append((time, vs, mb, 0, 0, "SendActivation", pos, chunk))
-                recv_pos = consumes_act[mb * width + target]
-                # side 1: a hand-off between chunks of one stage puts the send first
-                comms[target % stages].append(
-                    (time, vs, mb, 0, 1, "RecvActivation", recv_pos, target // stages)
-                )
+            if kind == "F" and vs < last:
+                time, target = stage_ends[pos], vs + 1
+                out.append((time, 0, vs, mb, 0, 0, SendActivation, chunk))
+                receiver = comms[target % stages]
+                receiver.append((time, 0, vs, mb, 0, 1, RecvActivation, target // stages))
             elif kind in "BI" and vs > 0:
-                target = vs - 1
-                out.append((time, vs, mb, 1, 0, "SendGrad", pos, chunk))
-                recv_pos = consumes_grad[mb * width + target]
-                comms[target % stages].append(
-                    (time, vs, mb, 1, 1, "RecvGrad", recv_pos, target // stages)
-                )
-    for stage_comms in comms:
-        stage_comms.sort()
+                time, target = stage_ends[pos], vs - 1
+                out.append((time, 0, vs, mb, 1, 0, SendGrad, chunk))
+                receiver = comms[target % stages]
+                receiver.append((time, 0, vs, mb, 1, 1, RecvGrad, target // stages))
     return comms
 
 
@@ -171,24 +157,27 @@ def _stream(
 ) -> list[Unbuffered]:
     """Merge a stage's computations and communication into one stream, in planned time.
 
-    A message comes at its key's time, a computation at its planned start, messages first at
-    equal times. So a receive precedes the computation that needs it, a send follows the one
-    that makes it, the messages keep the global order, and no receive holds back a
+    A message comes at its production time, a computation at its planned start, messages
+    first at equal times. So a receive precedes the computation that needs it, a send follows
+    the one that makes it, the messages keep the global order, and no receive holds back a
     computation that the plan runs before the message arrives.
     """
     last = stages * chunks - 1
-    events: list[tuple[float, int, int, str, int, int]] = [
-        (comm[0], 0, i, comm[5], comm[2], comm[7]) for i, comm in enumerate(comms)
+    events: list[tuple[Any, ...]] = list(comms)
+    events += [
+        (ends[pos] - PLANNING_COSTS[kind], 1, pos, kind, mb, chunk)
+        for pos, (kind, mb, chunk) in enumerate(order)
     ]
-    for pos, (kind, mb, chunk) in enumerate(order):
-        start = ends[pos] - PLANNING_COSTS[kind]
-        events.append((start, 1, pos, kind, mb, chunk))
     events.sort()
     stream: list[Unbuffered] = []
-    for _, is_compute, _, name, mb, chunk in events:
-        if is_compute and name == "F" and chunk * stages + stage in (0, last):
-            stream.append((LoadMicroBatch, mb, chunk))
-        stream.append((_COMPUTE[name] if is_compute else _COMM[name], mb, chunk))
+    for event in events:
+        if event[1]:  # a computation
+            _, _, _, kind, mb, chunk = event
+            if kind == "F" and chunk * stages + stage in (0, last):
+                stream.append((LoadMicroBatch, mb, chunk))
+            stream.append((_COMPUTE[kind], mb, chunk))
+        else:
+            stream.append((event[6], event[3], event[7]))
     return stream
 
 
@@ -198,27 +187,31 @@ def _lower_stage(
     """Build the instructions, each (micro-batch, chunk) in the lowest buffer free from its
     first use to its last, grouped in steps: one computation each, with the communication
     issued just before it. Returns the steps and the most buffers in use at once."""
-    last_use = {(mb, chunk): i for i, (_, mb, chunk) in enumerate(stream)}
+    keys = [(mb, chunk) for _, mb, chunk in stream]
+    last_use = {key: i for i, key in enumerate(keys)}
     held: dict[tuple[int, int], int] = {}
     free: list[int] = []  # a heap
     peak = 0
-    steps: list[tuple[BufferOpInstruction, ...]] = []
-    current: list[BufferOpInstruction] = []
+    instructions: list[BufferOpInstruction] = []
+    new = object.__new__
     for i, (cls, mb, chunk) in enumerate(stream):
-        key = (mb, chunk)
+        key = keys[i]
         buffer = held.get(key)
         if buffer is None:
             buffer = held[key] = heapq.heappop(free) if free else peak
             peak = max(peak, buffer + 1)
-        current.append(cls(buffer, micro_batch_id=mb, chunk_id=chunk))
         if last_use[key] == i:
             heapq.heappush(free, held.pop(key))
-        if cls in _COMPUTES:
-            steps.append(tuple(current))
-            current = []
-    if current:  # trailing sends belong to the last step
-        steps[-1] = steps[-1] + tuple(current)
-    return tuple(steps), peak
+        # What BufferOpInstruction(buffer, micro_batch_id=mb, chunk_id=chunk) makes, at less
+        # than half the cost: the largest plans build a hundred thousand of these.
+        cmd = new(cls)
+        cmd.kwargs = {"buffer_id": buffer}
+        cmd.buffer_id, cmd.micro_batch_id, cmd.chunk_id = buffer, mb, chunk
+        instructions.append(cmd)
+    ends = [i + 1 for i, (cls, _, _) in enumerate(stream) if cls in _COMPUTES]
+    ends[-1] = len(stream)  # trailing sends belong to the last step
+    steps = tuple(tuple(instructions[a:b]) for a, b in zip([0, *ends], ends, strict=False))
+    return steps, peak
 
 
 _COMPUTES = frozenset(_COMPUTE.values())
@@ -243,4 +236,5 @@ OrderFn = Callable[[int, int, int], list[list[Op]]]
 @functools.lru_cache(maxsize=64)
 def cached_plan(order_fn: OrderFn, micro_batches: int, stages: int, chunks: int) -> Plan:
     """The plan of a schedule family, built once for all its stages."""
-    return build_plan(order_fn(micro_batches, stages, chunks), stages, chunks)
+    with paused_gc():
+        return build_plan(order_fn(micro_batches, stages, chunks), stages, chunks)

@@ -14,6 +14,7 @@ from typing import Any
 
 from zpipe._base import PipeSchedule, build_stages
 from zpipe._errors import ScheduleError
+from zpipe._gc import paused_gc
 from zpipe._instructions import (
     BackwardInputPass,
     BackwardPass,
@@ -189,31 +190,8 @@ def _peak(lifetimes: list[tuple[float, float]], open_starts: list[float]) -> int
     return peak
 
 
-def simulate(
-    schedule_cls: type[PipeSchedule],
-    micro_batches: int,
-    stages: int,
-    *,
-    forward: float | Sequence[float] = 1.0,
-    backward: float | Sequence[float] = 2.0,
-    weight: float | Sequence[float] | None = None,
-    comm: float = 0.0,
-    **kwargs: Any,
-) -> Simulation:
-    """Run a schedule's instructions on all stages with these costs.
-
-    Args:
-        forward: a stage's forward time per micro-batch (one number, or one per stage).
-        backward: a stage's backward time per micro-batch. Without `weight` it is the full
-            backward, and a split backward costs half of it in each part.
-        weight: the weight-gradient part of the backward. When given, `backward` is the
-            input-gradient part alone and a full backward costs `backward + weight`.
-        comm: the time a message between stages takes to arrive.
-        kwargs: passed to the schedule's constructor (e.g. `chunks=2`).
-    """
-    schedules = build_stages(schedule_cls, micro_batches, stages, **kwargs)
-    chunks = schedules[0].chunks
-    costs = _stage_costs(forward, backward, weight, comm, stages, chunks)
+def _run(schedules: list[PipeSchedule], costs: list[_Costs]) -> list[_Runner]:
+    """Run all stages together until every one has finished."""
     runners = [
         _Runner(s, sched, [(i, c) for i, step in enumerate(sched) for c in step], costs[s])
         for s, sched in enumerate(schedules)
@@ -240,6 +218,36 @@ def simulate(
             step=step,
             instruction=cmd,
         )
+    return runners
+
+
+def simulate(
+    schedule_cls: type[PipeSchedule],
+    micro_batches: int,
+    stages: int,
+    *,
+    forward: float | Sequence[float] = 1.0,
+    backward: float | Sequence[float] = 2.0,
+    weight: float | Sequence[float] | None = None,
+    comm: float = 0.0,
+    **kwargs: Any,
+) -> Simulation:
+    """Run a schedule's instructions on all stages with these costs.
+
+    Args:
+        forward: a stage's forward time per micro-batch (one number, or one per stage).
+        backward: a stage's backward time per micro-batch. Without `weight` it is the full
+            backward, and a split backward costs half of it in each part.
+        weight: the weight-gradient part of the backward. When given, `backward` is the
+            input-gradient part alone and a full backward costs `backward + weight`.
+        comm: the time a message between stages takes to arrive.
+        kwargs: passed to the schedule's constructor (e.g. `chunks=2`).
+    """
+    schedules = build_stages(schedule_cls, micro_batches, stages, **kwargs)
+    chunks = schedules[0].chunks
+    costs = _stage_costs(forward, backward, weight, comm, stages, chunks)
+    with paused_gc():
+        runners = _run(schedules, costs)
     makespan = max((iv.end for r in runners for iv in r.timeline), default=0.0)
     busy = [r.busy for r in runners]
     total = stages * makespan

@@ -16,8 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from zpipe._base import PipeSchedule, build_stages
+from zpipe._base import PipeSchedule, Step, build_stages
 from zpipe._errors import ScheduleError
+from zpipe._gc import paused_gc
 from zpipe._instructions import (
     BackwardInputPass,
     BackwardPass,
@@ -266,12 +267,13 @@ def _a(noun: str) -> str:
 
 
 def _decode(
-    schedule: PipeSchedule, program: list[tuple[int, PipeInstruction]], last: int
-) -> list[_Entry]:
-    """Each instruction as ints: what it is, its buffer, its virtual stage and its peer."""
+    schedule: PipeSchedule, steps: list[Step], last: int
+) -> tuple[list[PipeInstruction], list[_Entry]]:
+    """A stage's instructions in order, and each as ints: what it is, its buffer, its virtual
+    stage, its peer."""
     by_chunk = [schedule.virtual_stage(chunk) for chunk in range(schedule.chunks)]
     owners = [schedule.owner(v)[0] for v in range(last + 1)] + [-1]  # owners[-1]: no peer
-    commands = [cmd for _, cmd in program]
+    commands = [cmd for step in steps for cmd in step]
     # One comprehension per field: an instruction costs a few C-level calls, not a Python call.
     codes = [_CODES.get(type(cmd), OTHER) for cmd in commands]
     virtuals = [by_chunk[cmd.chunk_id] for cmd in commands]
@@ -282,26 +284,22 @@ def _decode(
     ]
     buffers = [cmd.kwargs.get("buffer_id", -1) for cmd in commands]
     micro_batches = [cmd.micro_batch_id for cmd in commands]
-    steps = [step for step, _ in program]
-    fields = zip(codes, buffers, virtuals, peers, micro_batches, steps, strict=True)
+    step_ids = [index for index, step in enumerate(steps) for _ in step]
+    fields = zip(codes, buffers, virtuals, peers, micro_batches, step_ids, strict=True)
     new = tuple.__new__  # _Entry(...) would cost a Python-level call per instruction
-    return [new(_Entry, entry) for entry in fields]
+    return commands, [new(_Entry, entry) for entry in fields]
 
 
 def _build_stages(
     schedule_cls: type[PipeSchedule], micro_batches: int, stages: int, kwargs: dict[str, Any]
 ) -> list[_Stage]:
     schedules = build_stages(schedule_cls, micro_batches, stages, **kwargs)
-    steps = [[(i, cmd) for i, step in enumerate(sched) for cmd in step] for sched in schedules]
     last = stages * schedules[0].chunks - 1
-    decoded = [
-        _decode(sched, program, last) for sched, program in zip(schedules, steps, strict=True)
-    ]
-    training = any(e.code in (BWD, BWD_I) for entries in decoded for e in entries)
+    decoded = [_decode(sched, list(sched), last) for sched in schedules]
+    training = any(e.code in (BWD, BWD_I) for _, entries in decoded for e in entries)
     built = []
-    for index, (schedule, program) in enumerate(zip(schedules, steps, strict=True)):
-        entries = decoded[index]
-        stage = _Stage(index, schedule, [cmd for _, cmd in program], entries, last, training)
+    for index, (schedule, (commands, entries)) in enumerate(zip(schedules, decoded, strict=True)):
+        stage = _Stage(index, schedule, commands, entries, last, training)
         buffers = schedule.num_pipe_buffers()
         outside = [i for i, e in enumerate(entries) if not -1 <= e.buffer < buffers]
         if outside:
@@ -408,19 +406,10 @@ def _check_complete(stage: _Stage) -> None:
         raise stage.fail(f"{missing} misses its backward")
 
 
-def validate(
-    schedule_cls: type[PipeSchedule], micro_batches: int, stages: int, **kwargs: Any
-) -> ValidationReport:
-    """Build the schedule for every stage, run all of them together, and check it is safe.
-
-    Raises ScheduleError, naming the stage, the step and the instruction, when a send has no
-    matching receive (or one of the wrong kind), the stages deadlock under blocking
-    point-to-point, a buffer is overwritten while its activation is still needed, a buffer id
-    is outside `num_pipe_buffers()`, a backward (or a send, or the optimizer step) comes before
-    what it needs, or a micro-batch misses its forward or backward on some stage.
-
-    `kwargs` go to the schedule's constructor (e.g. `chunks=2`).
-    """
+def _run(
+    schedule_cls: type[PipeSchedule], micro_batches: int, stages: int, kwargs: dict[str, Any]
+) -> list[_Stage]:
+    """Build every stage, run them all together, and check what they did."""
     all_stages = _build_stages(schedule_cls, micro_batches, stages, kwargs)
     while True:
         progressed = False
@@ -437,6 +426,24 @@ def validate(
         raise _diagnose(all_stages)
     for stage in all_stages:
         _check_complete(stage)
+    return all_stages
+
+
+def validate(
+    schedule_cls: type[PipeSchedule], micro_batches: int, stages: int, **kwargs: Any
+) -> ValidationReport:
+    """Build the schedule for every stage, run all of them together, and check it is safe.
+
+    Raises ScheduleError, naming the stage, the step and the instruction, when a send has no
+    matching receive (or one of the wrong kind), the stages deadlock under blocking
+    point-to-point, a buffer is overwritten while its activation is still needed, a buffer id
+    is outside `num_pipe_buffers()`, a backward (or a send, or the optimizer step) comes before
+    what it needs, or a micro-batch misses its forward or backward on some stage.
+
+    `kwargs` go to the schedule's constructor (e.g. `chunks=2`).
+    """
+    with paused_gc():
+        all_stages = _run(schedule_cls, micro_batches, stages, kwargs)
     return ValidationReport(
         steps=[s.program[-1].step + 1 if s.program else 0 for s in all_stages],
         instructions=[len(s.program) for s in all_stages],
