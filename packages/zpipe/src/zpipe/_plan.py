@@ -182,14 +182,14 @@ def _stream(
 
 
 def _lower_stage(
-    stream: list[Unbuffered],
+    stream: list[Unbuffered], chunks: int
 ) -> tuple[tuple[tuple[BufferOpInstruction, ...], ...], int]:
     """Build the instructions, each (micro-batch, chunk) in the lowest buffer free from its
     first use to its last, grouped in steps: one computation each, with the communication
     issued just before it. Returns the steps and the most buffers in use at once."""
-    keys = [(mb, chunk) for _, mb, chunk in stream]
+    keys = [mb * chunks + chunk for _, mb, chunk in stream]  # one int per (micro-batch, chunk)
     last_use = {key: i for i, key in enumerate(keys)}
-    held: dict[tuple[int, int], int] = {}
+    held: dict[int, int] = {}
     free: list[int] = []  # a heap
     peak = 0
     instructions: list[BufferOpInstruction] = []
@@ -222,7 +222,7 @@ def build_plan(orders: Sequence[Sequence[Op]], stages: int, chunks: int) -> Plan
     ends = time_orders(orders, stages, chunks, PLANNING_COSTS)
     comms = _comm_ops(orders, ends, stages, chunks)
     lowered = [
-        _lower_stage(_stream(order, ends[stage], comms[stage], stage, stages, chunks))
+        _lower_stage(_stream(order, ends[stage], comms[stage], stage, stages, chunks), chunks)
         for stage, order in enumerate(orders)
     ]
     return Plan(

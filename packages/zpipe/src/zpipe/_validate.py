@@ -77,6 +77,7 @@ class _Record:
 
     micro_batch: int
     virtual: int
+    done: int  # the flags after which nothing needs the activation any more
     flags: int = 0
 
     def describe(self) -> str:
@@ -125,11 +126,7 @@ class _Stage:
     def mark(self, record: _Record, flags: int) -> None:
         """Record that `flags` happened; the activation dies once nothing more needs it."""
         record.flags |= flags
-        if self.training:
-            done = BWD_WEIGHT | (GRAD_SENT if record.virtual > 0 else 0)
-        else:
-            done = FORWARD | (ACT_SENT if record.virtual < self.last_virtual else 0)
-        if record.flags & done == done and not record.flags & DEAD:
+        if record.flags & record.done == record.done and not record.flags & DEAD:
             record.flags |= DEAD
             self.live -= 1
             self.completed.add((record.micro_batch, record.virtual))
@@ -147,7 +144,11 @@ class _Stage:
                 f"overwrites buffer {entry.buffer} with micro-batch {micro_batch} while it holds "
                 f"{record.describe()}, still needed"
             )
-        record = _Record(micro_batch, entry.virtual)
+        if self.training:  # needed until its weight gradient, and its input gradient sent
+            done = BWD_WEIGHT | (GRAD_SENT if entry.virtual > 0 else 0)
+        else:  # needed until its forward ran and its output was sent
+            done = FORWARD | (ACT_SENT if entry.virtual < self.last_virtual else 0)
+        record = _Record(micro_batch, entry.virtual, done)
         self.buffers[entry.buffer] = record
         self.live += 1
         self.peak = max(self.peak, self.live)
@@ -312,33 +313,35 @@ def _build_stages(
 
 def _advance(stage: _Stage, stages: list[_Stage]) -> bool:
     """Run a stage until it blocks; return whether it ran anything."""
-    program, start = stage.program, stage.pos
-    while stage.pos < len(program):
+    program, start, end = stage.program, stage.pos, len(stage.program)
+    while stage.pos < end:
         entry = program[stage.pos]
         code = entry.code
-        if code == FWD:
-            stage.forward(entry)
-        elif code in (BWD, BWD_I, BWD_W):
-            stage.backward(entry)
-        elif code == LOAD:
-            stage.load(entry)
-        elif code == STEP:
-            stage.step_boundary()
-        elif code == TIED:
-            break  # a collective of all stages: released by validate()
-        elif code >= SEND_ACT:
-            if entry.peer < 0:
-                side = "after the last" if code in (SEND_ACT, RECV_GRAD) else "before the first"
-                raise stage.fail(f"has no peer: no virtual stage {side} one")
-            if entry.peer == stage.index:  # a hand-off between own chunks: never blocks
+        if code >= SEND_ACT:  # two instructions in three are sends and receives
+            peer = entry.peer
+            if peer == stage.index:  # a hand-off between own chunks: never blocks
                 if code <= SEND_GRAD:
                     stage.local.append(stage.send(entry))
                 elif stage.local:
                     stage.receive(entry, stage.local.popleft())
                 else:
                     break
-            elif not _rendezvous(stage, entry, stages[entry.peer]):
+            elif peer < 0:
+                side = "after the last" if code in (SEND_ACT, RECV_GRAD) else "before the first"
+                raise stage.fail(f"has no peer: no virtual stage {side} one")
+            elif not _rendezvous(stage, entry, stages[peer]):
                 break
+        elif code == FWD:
+            stage.forward(entry)
+        elif code <= BWD_W:  # a load or a backward
+            if code != LOAD:
+                stage.backward(entry)
+            else:
+                stage.load(entry)
+        elif code == STEP:
+            stage.step_boundary()
+        elif code == TIED:
+            break  # a collective of all stages: released by _run()
         stage.pos += 1
     return stage.pos != start
 
@@ -348,10 +351,10 @@ def _rendezvous(stage: _Stage, entry: _Entry, other: _Stage) -> bool:
     if other.pos >= len(other.program):
         return False
     facing = other.program[other.pos]
-    sending = entry.code <= SEND_GRAD
-    if facing.peer != stage.index or (facing.code <= SEND_GRAD) == sending:
+    if facing.peer != stage.index or facing.code < SEND_ACT:
         return False
-    if facing.code < SEND_ACT:
+    sending = entry.code <= SEND_GRAD
+    if (facing.code <= SEND_GRAD) == sending:
         return False
     if sending:
         other.receive(facing, stage.send(entry))
