@@ -1,5 +1,72 @@
-"""torch.distributed underneath zstack: process groups, collectives, p2p, topology, accelerator and the distributed test harness."""
+"""torch.distributed underneath zstack: process groups, collectives, p2p, topology, accelerator.
+
+``import zcomm as dist`` stands in for ``deepspeed.comm``; `get_accelerator` for DeepSpeed's;
+`zcomm.topology` for its pipeline topology; `zcomm.testing` holds the distributed test harness.
+"""
 
 from zcomm.__about__ import __version__
+from zcomm._accelerator import Accelerator, get_accelerator
+from zcomm._accounting import (
+    CommOpStats,
+    comm_summary,
+    enable_comm_accounting,
+    log_summary,
+    reset_comm_accounting,
+)
+from zcomm._coalesced import all_gather_coalesced, reduce_scatter_coalesced
+from zcomm._collectives import (
+    ReduceOp,
+    all_gather_into_tensor,
+    all_reduce,
+    barrier,
+    broadcast,
+    reduce_scatter_tensor,
+)
+from zcomm._errors import CommError, CommTimeoutError
+from zcomm._groups import get_axis_group, new_group
+from zcomm._handle import Handle
+from zcomm._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from zcomm._world import (
+    destroy,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_initialized,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "Accelerator",
+    "CommError",
+    "CommOpStats",
+    "CommTimeoutError",
+    "Handle",
+    "P2POp",
+    "ReduceOp",
+    "__version__",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "comm_summary",
+    "destroy",
+    "enable_comm_accounting",
+    "get_accelerator",
+    "get_axis_group",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "irecv",
+    "is_initialized",
+    "isend",
+    "log_summary",
+    "new_group",
+    "recv",
+    "reduce_scatter_coalesced",
+    "reduce_scatter_tensor",
+    "reset_comm_accounting",
+    "send",
+]

@@ -1,0 +1,48 @@
+"""Argument checks shared by the operations: a bad argument is an error that names it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["check_group", "check_peer", "check_same_kind", "check_tensor"]
+
+
+def check_tensor(op: str, name: str, value: Any) -> torch.Tensor:
+    """`value` as a tensor, or a TypeError naming `op` and the argument `name`."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}({name}=...): expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_same_kind(
+    op: str, name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor
+) -> None:
+    """Dtype and device of `tensor` must match those of `ref`."""
+    if tensor.dtype != ref.dtype:
+        raise TypeError(f"{op}: {name} has dtype {tensor.dtype}, but {ref_name} has {ref.dtype}")
+    if tensor.device != ref.device:
+        raise ValueError(f"{op}: {name} is on {tensor.device}, but {ref_name} is on {ref.device}")
+
+
+def check_group(op: str, group: Any) -> dist.ProcessGroup | None:
+    """`group` as a process group (None means the world), or a TypeError."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{op}(group=...): expected a ProcessGroup or None, got {type(group).__name__}"
+        )
+    return group
+
+
+def check_peer(op: str, name: str, peer: Any, group: dist.ProcessGroup | None) -> int:
+    """`peer` as a global rank of `group` other than this one, or an error naming `name`."""
+    if isinstance(peer, bool) or not isinstance(peer, int):
+        raise TypeError(f"{op}({name}=...): expected a rank (int), got {peer!r}")
+    ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    if peer not in ranks:
+        raise ValueError(f"{op}({name}={peer}): not a rank of the group (ranks {list(ranks)})")
+    if peer == dist.get_rank():
+        raise ValueError(f"{op}({name}={peer}): that is this process's own rank")
+    return peer

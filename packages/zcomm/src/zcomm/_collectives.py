@@ -1,0 +1,224 @@
+"""The collectives, with one calling convention: tensors first, then keyword-only ``op``,
+``group`` and ``async_op``; every call returns a `Handle`.
+
+Each is the torch.distributed collective of the same name, never a reimplementation. A group
+of one takes a fast path with no communication. On gloo, ``ReduceOp.AVG`` runs as a sum and a
+division, because gloo in older torch releases rejects AVG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from zcomm._checks import check_group, check_same_kind, check_tensor
+from zcomm._handle import Handle, completed, run
+from zcomm._world import group_size
+
+__all__ = [
+    "ReduceOp",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "gather_flat",
+    "reduce_scatter_tensor",
+    "scatter_flat",
+]
+
+ReduceOp = dist.ReduceOp
+
+# torch 2.13 renamed the tensor collectives (the old names warn); use whichever exists.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _emulated_avg(op: object, group: dist.ProcessGroup | None) -> bool:
+    return op == ReduceOp.AVG and dist.get_backend(group) == "gloo"
+
+
+def _average(tensor: torch.Tensor, size: int) -> Callable[[], None]:
+    def divide() -> None:
+        if tensor.is_floating_point():
+            tensor.div_(size)
+
+    return divide
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Reduce `tensor` across `group` in place with `op` (SUM by default)."""
+    check_tensor("all_reduce", "tensor", tensor)
+    size = group_size("all_reduce", check_group("all_reduce", group))
+    if size == 1:
+        return completed("all_reduce")
+    finish, torch_op = None, op
+    if _emulated_avg(op, group):
+        finish, torch_op = _average(tensor, size), ReduceOp.SUM
+    return run(
+        "all_reduce",
+        group,
+        lambda a: dist.all_reduce(tensor, op=torch_op, group=group, async_op=a),
+        async_op=async_op,
+        nbytes=_nbytes(tensor),
+        finish=finish,
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Copy `tensor` from global rank `src` to every rank of `group`, in place."""
+    check_tensor("broadcast", "tensor", tensor)
+    size = group_size("broadcast", check_group("broadcast", group))
+    if isinstance(src, bool) or not isinstance(src, int):
+        raise TypeError(f"broadcast(src=...): expected a rank (int), got {src!r}")
+    ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    if src not in ranks:
+        raise ValueError(f"broadcast(src={src}): not a rank of the group (ranks {list(ranks)})")
+    if size == 1:
+        return completed("broadcast")
+    return run(
+        "broadcast",
+        group,
+        lambda a: dist.broadcast(tensor, src, group=group, async_op=a),
+        async_op=async_op,
+        nbytes=_nbytes(tensor),
+    )
+
+
+def _check_pair(
+    op: str, small: torch.Tensor, big: torch.Tensor, names: tuple[str, str], size: int
+) -> None:
+    check_same_kind(op, names[0], small, names[1], big)
+    if big.numel() != small.numel() * size:
+        raise ValueError(
+            f"{op}: {names[1]} has {big.numel()} elements, expected "
+            f"{names[0]}.numel() * group size = {small.numel()} * {size} = {small.numel() * size}"
+        )
+    for name, tensor in zip(names, (small, big), strict=True):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous")
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Gather every rank's `input_tensor` into `output_tensor`, in rank order.
+
+    Like torch, the two tensors come positionally (output first); `output_tensor` holds
+    group size times as many elements as `input_tensor`.
+    """
+    op = "all_gather_into_tensor"
+    check_tensor(op, "output_tensor", output_tensor)
+    check_tensor(op, "input_tensor", input_tensor)
+    size = group_size(op, check_group(op, group))
+    _check_pair(op, input_tensor, output_tensor, ("input_tensor", "output_tensor"), size)
+    if size == 1:
+        if output_tensor.data_ptr() != input_tensor.data_ptr():
+            output_tensor.view(-1).copy_(input_tensor.view(-1))
+        return completed(op)
+    return gather_flat(op, output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def gather_flat(
+    name: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+    then: Callable[[], None] | None = None,
+) -> Handle:
+    """The all-gather itself, unchecked, recorded under `name`; `then` runs after it."""
+    return run(
+        name,
+        group,
+        lambda a: _all_gather_single(output, input, group=group, async_op=a),
+        async_op=async_op,
+        nbytes=_nbytes(output),
+        finish=then,
+    )
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Reduce `input` across `group` with `op` and keep this rank's slice in `output`.
+
+    `input` holds group size times as many elements as `output`; rank r receives the r-th
+    contiguous chunk of the reduction.
+    """
+    name = "reduce_scatter_tensor"
+    check_tensor(name, "output", output)
+    check_tensor(name, "input", input)
+    size = group_size(name, check_group(name, group))
+    _check_pair(name, output, input, ("output", "input"), size)
+    if size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.view(-1).copy_(input.view(-1))
+        return completed(name)
+    return scatter_flat(name, output, input, op=op, group=group, async_op=async_op, size=size)
+
+
+def scatter_flat(
+    name: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+    size: int,
+    then: Callable[[], None] | None = None,
+) -> Handle:
+    """The reduce-scatter itself, unchecked, recorded under `name`; `then` runs after it."""
+    finishers = [then] if then is not None else []
+    torch_op = op
+    if _emulated_avg(op, group):
+        finishers.insert(0, _average(output, size))
+        torch_op = ReduceOp.SUM
+
+    def finish() -> None:
+        for f in finishers:
+            f()
+
+    return run(
+        name,
+        group,
+        lambda a: _reduce_scatter_single(output, input, op=torch_op, group=group, async_op=a),
+        async_op=async_op,
+        nbytes=_nbytes(input),
+        finish=finish if finishers else None,
+    )
+
+
+def barrier(*, group: dist.ProcessGroup | None = None) -> None:
+    """Block until every rank of `group` has reached this call."""
+    if group_size("barrier", check_group("barrier", group)) == 1:
+        return
+    run("barrier", group, lambda a: dist.barrier(group=group, async_op=a), async_op=False, nbytes=0)

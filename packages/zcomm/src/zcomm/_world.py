@@ -1,0 +1,227 @@
+"""Start-up and the questions every rank asks: who am I, how many are we, tear down.
+
+`init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT). With no such environment it starts a world of one inside this process on an
+in-memory store, so a script runs with plain ``python`` and no port is opened.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, Store
+
+from zcomm._accelerator import get_accelerator
+
+__all__ = [
+    "destroy",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "group_size",
+    "init_distributed",
+    "is_initialized",
+    "on_destroy",
+]
+
+# DeepSpeed's default: long enough for a slow first compile or checkpoint load on one rank.
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# Callbacks that drop per-process-group caches (groups, topology groups) on `destroy`.
+_destroy_hooks: list[Callable[[], None]] = []
+
+
+def on_destroy(hook: Callable[[], None]) -> None:
+    """Register `hook` to run when `destroy` tears the process group down."""
+    _destroy_hooks.append(hook)
+
+
+def _resolve_backend(backend: str | None, dist_backend: str | None) -> str | None:
+    if backend is not None and dist_backend is not None and backend != dist_backend:
+        raise ValueError(
+            f"init_distributed: backend={backend!r} and dist_backend={dist_backend!r} disagree; "
+            "pass one of them"
+        )
+    chosen = backend if backend is not None else dist_backend
+    if chosen is None:
+        return None
+    if not isinstance(chosen, str) or not chosen:
+        raise ValueError(f"init_distributed(backend=...): expected a backend name, got {chosen!r}")
+    chosen = chosen.lower()
+    if chosen == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "init_distributed(backend='nccl'): NCCL needs CUDA, and no CUDA device is visible"
+        )
+    return chosen
+
+
+def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
+        raise TypeError(
+            f"init_distributed(timeout=...): expected a timedelta or seconds, got {timeout!r}"
+        )
+    result = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    if result.total_seconds() <= 0:
+        raise ValueError(f"init_distributed(timeout=...): must be positive, got {timeout!r}")
+    return result
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _check_rank(rank: int, world_size: int, source: str) -> None:
+    if world_size < 1:
+        raise ValueError(f"{source}: world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{source}: rank must be in [0, {world_size}), got {rank}")
+
+
+def _torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) from torchrun's variables; None when there is no launcher."""
+    present = [v for v in _TORCHRUN_VARS if v in os.environ]
+    if not present or present == ["MASTER_ADDR"] or present == ["MASTER_PORT"]:
+        return None
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"init_distributed: the launcher environment is incomplete: {', '.join(missing)} "
+            f"not set (found {', '.join(present)})"
+        )
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    _check_rank(rank, world_size, "environment RANK/WORLD_SIZE")
+    return rank, world_size
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    timeout: timedelta | float | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    dist_backend: str | None = None,
+    dist_init_required: bool | None = None,
+) -> None:
+    """Start torch.distributed for this process; harmless when it is already started.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"`` (any torch backend); by default NCCL when CUDA is
+            there, gloo otherwise. ``dist_backend`` is DeepSpeed's name for it.
+        timeout: how long a collective may wait before it raises (timedelta or seconds).
+        init_method: a torch rendezvous URL (``tcp://host:port``, ``file://path``); needs
+            `rank` and `world_size`. Without it the torchrun environment is read, and with no
+            environment at all a world of one starts in this process.
+        rank, world_size: this process's rank and the number of processes, with `init_method`.
+        dist_init_required: DeepSpeed's flag: ``False`` means do nothing.
+    """
+    chosen = _resolve_backend(backend, dist_backend)
+    if dist.is_initialized():
+        current = str(dist.get_backend())
+        if chosen is not None and chosen not in current.split(":") and chosen != current:
+            raise ValueError(
+                f"init_distributed(backend={chosen!r}): "
+                f"already initialized with backend {current!r}"
+            )
+        return
+    if dist_init_required is False:
+        return
+    wait = _resolve_timeout(timeout)
+    chosen = chosen or get_accelerator().communication_backend_name()
+    if init_method is not None:
+        if rank is None or world_size is None:
+            raise ValueError(
+                "init_distributed(init_method=...): rank and world_size are required too"
+            )
+        _check_rank(rank, world_size, "init_distributed(rank=..., world_size=...)")
+        _start(chosen, wait, rank, world_size, init_method=init_method)
+        return
+    if (rank is None) != (world_size is None):
+        raise ValueError("init_distributed: pass rank and world_size together")
+    env = _torchrun_env()
+    if rank is not None and world_size is not None:
+        _check_rank(rank, world_size, "init_distributed(rank=..., world_size=...)")
+        if env is None and world_size > 1:
+            raise ValueError(
+                f"init_distributed(world_size={world_size}): no launcher environment "
+                "(MASTER_ADDR/MASTER_PORT) and no init_method to meet the other ranks"
+            )
+        env = (rank, world_size) if env is not None else None
+    if env is None:
+        _start(chosen, wait, 0, 1, store=HashStore())  # the embedded world of one
+    else:
+        _start(chosen, wait, env[0], env[1], init_method="env://")
+
+
+def _start(
+    backend: str,
+    timeout: timedelta,
+    rank: int,
+    world_size: int,
+    *,
+    init_method: str | None = None,
+    store: Store | None = None,
+) -> None:
+    if backend == "nccl":
+        # One GPU per rank on a node; set it before NCCL creates its communicator.
+        torch.cuda.set_device(get_local_rank() % max(torch.cuda.device_count(), 1))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        store=store,
+        timeout=timeout,
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _require_init(caller: str) -> None:
+    if not is_initialized():
+        raise RuntimeError(f"zcomm.{caller}(): call zcomm.init_distributed() first")
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in `group` (the world by default); -1 if not a member."""
+    _require_init("get_rank")
+    return dist.get_rank(group)
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """The number of ranks in `group` (the world by default)."""
+    _require_init("get_world_size")
+    return dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (LOCAL_RANK from the launcher; 0 without one)."""
+    return _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
+
+
+def group_size(caller: str, group: dist.ProcessGroup | None) -> int:
+    """The size of `group` for an operation named `caller`, which needs a started world."""
+    _require_init(caller)
+    return dist.get_world_size(group)
+
+
+def destroy() -> None:
+    """Tear down every process group and zcomm's caches of them; harmless when not started."""
+    for hook in _destroy_hooks:
+        hook()
+    if is_initialized():
+        dist.destroy_process_group()

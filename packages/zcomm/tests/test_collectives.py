@@ -1,0 +1,122 @@
+"""Collectives at world sizes 1, 2 and 4, checked against values computed locally."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zcomm
+from zcomm.testing import DistributedTest
+
+SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
+
+
+def _rank_tensor(n: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What rank `rank` contributes: distinct values per rank and element."""
+    return (torch.arange(n, dtype=torch.float32) + 100 * rank).to(dtype)
+
+
+class TestCollectives(DistributedTest):
+    @SIZES
+    @pytest.mark.parametrize("async_op", [False, True])
+    def test_all_reduce_sum(self, world_size: int, async_op: bool) -> None:
+        rank = zcomm.get_rank()
+        t = _rank_tensor(5, rank)
+        handle = zcomm.all_reduce(t, async_op=async_op)
+        handle.wait()
+        assert handle.is_completed()
+        expected = sum(_rank_tensor(5, r) for r in range(world_size))
+        torch.testing.assert_close(t, expected)
+
+    @SIZES
+    def test_all_reduce_ops(self, world_size: int) -> None:
+        rank = zcomm.get_rank()
+        contributions = [_rank_tensor(4, r) for r in range(world_size)]
+        for op, reference in [
+            (zcomm.ReduceOp.MAX, torch.stack(contributions).amax(0)),
+            (zcomm.ReduceOp.MIN, torch.stack(contributions).amin(0)),
+            (zcomm.ReduceOp.AVG, torch.stack(contributions).mean(0)),
+        ]:
+            t = _rank_tensor(4, rank)
+            zcomm.all_reduce(t, op=op)
+            torch.testing.assert_close(t, reference)
+
+    @SIZES
+    def test_all_reduce_dtypes(self, world_size: int) -> None:
+        for dtype in (torch.bfloat16, torch.float16, torch.int64):
+            t = torch.ones(3, dtype=dtype)
+            zcomm.all_reduce(t)
+            assert t.dtype == dtype
+            assert t.tolist() == [world_size] * 3
+
+    @SIZES
+    @pytest.mark.parametrize("async_op", [False, True])
+    def test_broadcast(self, world_size: int, async_op: bool) -> None:
+        src = world_size - 1
+        t = _rank_tensor(6, zcomm.get_rank())
+        zcomm.broadcast(t, src, async_op=async_op).wait()
+        torch.testing.assert_close(t, _rank_tensor(6, src))
+
+    @SIZES
+    @pytest.mark.parametrize("async_op", [False, True])
+    def test_all_gather_into_tensor(self, world_size: int, async_op: bool) -> None:
+        mine = _rank_tensor(3, zcomm.get_rank())
+        out = torch.empty(3 * world_size)
+        zcomm.all_gather_into_tensor(out, mine, async_op=async_op).wait()
+        torch.testing.assert_close(out, torch.cat([_rank_tensor(3, r) for r in range(world_size)]))
+
+    @SIZES
+    @pytest.mark.parametrize("op", ["sum", "avg"])
+    def test_reduce_scatter_tensor(self, world_size: int, op: str) -> None:
+        rank = zcomm.get_rank()
+        full = _rank_tensor(4 * world_size, rank)
+        out = torch.empty(4)
+        reduce_op = zcomm.ReduceOp.SUM if op == "sum" else zcomm.ReduceOp.AVG
+        zcomm.reduce_scatter_tensor(out, full, op=reduce_op, async_op=True).wait()
+        total = sum(_rank_tensor(4 * world_size, r) for r in range(world_size))
+        assert isinstance(total, torch.Tensor)
+        expected = total if op == "sum" else total / world_size
+        torch.testing.assert_close(out, expected[4 * rank : 4 * rank + 4])
+
+    @SIZES
+    def test_world_of_one_paths_copy(self, world_size: int) -> None:
+        # The fast path must still produce the output, not just skip the call.
+        groups = [zcomm.new_group([r]) for r in range(world_size)] if world_size > 1 else [None]
+        group = groups[zcomm.get_rank()]
+        mine = torch.arange(3.0)
+        out = torch.zeros(3)
+        zcomm.all_gather_into_tensor(out, mine, group=group)
+        torch.testing.assert_close(out, mine)
+        out = torch.zeros(3)
+        zcomm.reduce_scatter_tensor(out, mine, group=group)
+        torch.testing.assert_close(out, mine)
+
+    @SIZES
+    def test_barrier(self, world_size: int) -> None:
+        zcomm.barrier()
+
+    @SIZES
+    def test_bad_arguments_name_the_argument(self, world_size: int) -> None:
+        with pytest.raises(TypeError, match=r"all_reduce\(tensor=...\)"):
+            zcomm.all_reduce([1.0, 2.0])  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="output_tensor has 5 elements"):
+            zcomm.all_gather_into_tensor(torch.empty(5), torch.empty(3))
+        with pytest.raises(TypeError, match=r"output has dtype torch\.float16"):
+            zcomm.reduce_scatter_tensor(
+                torch.empty(1, dtype=torch.float16), torch.empty(world_size)
+            )
+        with pytest.raises(ValueError, match=r"broadcast\(src=7\)"):
+            zcomm.broadcast(torch.empty(1), 7)
+        with pytest.raises(TypeError, match=r"group=\.\.\."):
+            zcomm.all_reduce(torch.empty(1), group="world")  # type: ignore[arg-type]
+
+
+class TestBeforeInit(DistributedTest):
+    world_size = 1
+    init_distributed = False
+
+    def test_collective_before_init_says_what_to_do(self) -> None:
+        with pytest.raises(RuntimeError, match=r"call zcomm.init_distributed\(\) first"):
+            zcomm.all_reduce(torch.ones(1))
+        with pytest.raises(RuntimeError, match=r"zcomm.get_rank\(\)"):
+            zcomm.get_rank()

@@ -1,0 +1,84 @@
+"""Start-up: torchrun's environment, the embedded world of one, twice is harmless, bad input."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zcomm
+from zcomm.testing import DistributedTest
+
+
+class TestFromLauncherEnvironment(DistributedTest):
+    init_distributed = False  # each test starts zcomm itself, from the variables set for it
+
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    def test_reads_torchrun_variables(self, world_size: int) -> None:
+        assert not zcomm.is_initialized()
+        zcomm.init_distributed(timeout=timedelta(seconds=60))
+        assert zcomm.is_initialized()
+        assert zcomm.get_rank() == int(os.environ["RANK"])
+        assert zcomm.get_world_size() == world_size
+        assert zcomm.get_local_rank() == int(os.environ["LOCAL_RANK"])
+        assert dist.get_backend() == "gloo"  # no CUDA here: gloo is the default
+        zcomm.init_distributed()  # twice is harmless
+        zcomm.init_distributed("gloo")
+        t = torch.ones(1)
+        zcomm.all_reduce(t)
+        assert t.item() == world_size
+
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    def test_conflicting_backend_is_an_error(self, world_size: int) -> None:
+        zcomm.init_distributed(dist_backend="gloo")
+        with pytest.raises(ValueError, match="already initialized with backend 'gloo'"):
+            zcomm.init_distributed("mpi")
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_incomplete_environment_names_the_missing_variable(self, world_size: int) -> None:
+        del os.environ["MASTER_PORT"]
+        with pytest.raises(ValueError, match="MASTER_PORT not set"):
+            zcomm.init_distributed()
+        os.environ["MASTER_PORT"] = "not-a-port"
+        os.environ["RANK"] = "x"
+        with pytest.raises(ValueError, match="RANK='x' is not an integer"):
+            zcomm.init_distributed()
+
+
+class TestEmbeddedWorldOfOne(DistributedTest):
+    world_size = 1
+    init_distributed = False
+    set_dist_env = False  # no launcher variables at all, as under plain `python script.py`
+
+    def test_starts_a_world_of_one_in_process(self) -> None:
+        assert "RANK" not in os.environ
+        zcomm.init_distributed()
+        assert (zcomm.get_rank(), zcomm.get_world_size(), zcomm.get_local_rank()) == (0, 1, 0)
+        t = torch.arange(3.0)
+        zcomm.all_reduce(t)
+        torch.testing.assert_close(t, torch.arange(3.0))
+        zcomm.barrier()
+        zcomm.destroy()
+        assert not zcomm.is_initialized()
+        zcomm.destroy()  # harmless too
+
+    def test_bad_arguments_name_the_argument(self) -> None:
+        with pytest.raises(ValueError, match=r"timeout=\.\.\.\): must be positive"):
+            zcomm.init_distributed(timeout=0)
+        with pytest.raises(TypeError, match=r"timeout=\.\.\.\): expected a timedelta"):
+            zcomm.init_distributed(timeout="1s")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="NCCL needs CUDA"):
+            zcomm.init_distributed("nccl")
+        with pytest.raises(ValueError, match="disagree"):
+            zcomm.init_distributed("gloo", dist_backend="nccl")
+        with pytest.raises(ValueError, match="rank and world_size are required"):
+            zcomm.init_distributed(init_method="tcp://127.0.0.1:1")
+        with pytest.raises(ValueError, match="rank must be in"):
+            zcomm.init_distributed(init_method="tcp://127.0.0.1:1", rank=2, world_size=2)
+        with pytest.raises(ValueError, match="no launcher environment"):
+            zcomm.init_distributed(rank=0, world_size=2)
+        zcomm.init_distributed(dist_init_required=False)
+        assert not zcomm.is_initialized()
