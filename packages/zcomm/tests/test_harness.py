@@ -146,6 +146,29 @@ def test_failing_rank_releases_a_rank_waiting_for_it() -> None:
     assert message.index("boom from rank 1") < message.index("rank 0")
 
 
+class _CannotConnect(DistributedTest):
+    world_size = 2
+    backend = "no-such-backend"
+
+    def test_never_runs(self) -> None:
+        raise AssertionError("the body must not run without a process group")
+
+
+def test_a_group_that_cannot_be_set_up_is_tried_twice_then_named() -> None:
+    start = time.monotonic()
+    with (
+        pytest.warns(RuntimeWarning, match="its ranks could not connect; ran it again"),
+        pytest.raises(pytest.fail.Exception) as info,
+    ):
+        _CannotConnect().test_never_runs()
+    message = str(info.value)
+    assert "_CannotConnect::test_never_runs (world_size=2) failed" in message
+    assert "rank 0 could not set up its process group (2 attempts" in message
+    assert "no-such-backend" in message
+    assert "the body must not run" not in message
+    assert time.monotonic() - start < 120
+
+
 class _Hangs(DistributedTest):
     world_size = 2
     exec_timeout = 2.0

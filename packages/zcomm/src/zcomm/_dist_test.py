@@ -14,6 +14,7 @@ import inspect
 import os
 import pickle
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -24,6 +25,8 @@ from zcomm._pool import RankResult, _Worker, free_port, pool
 __all__ = ["DistributedTest"]
 
 _DEFAULT_TIMEOUT = float(os.environ.get("ZCOMM_TEST_TIMEOUT", "300"))
+_GROUP_TIMEOUT = 120.0  # seconds: a test's connection and each of its collectives
+_SETUP_ATTEMPTS = 2  # a test whose ranks cannot connect runs once more on fresh workers
 
 
 def _fail(message: str) -> NoReturn:
@@ -140,36 +143,70 @@ def _run(cls: type[DistributedTest], method: str, kwargs: dict[str, Any], world_
     where = f"{cls.__qualname__}::{method} (world_size={world_size})"
     module, path = _locate(cls)
     the_pool = pool()
-    workers = the_pool.acquire(world_size)
-    reuse = cls.reuse_dist_env and _shared_group(workers, world_size)
-    group_id = (
-        workers[0].live_group
-        if reuse
-        else (the_pool.new_group_id() if cls.reuse_dist_env else None)
-    )
-    base = {
+    test = {
         "module": module,
         "path": path,
         "qualname": cls.__qualname__,
         "method": method,
         "kwargs": _pickled(where, kwargs),
         "world_size": world_size,
-        "port": free_port(),  # for tests that start zcomm themselves from the environment
-        "store_path": the_pool.new_store_path(),
         "backend": cls.backend or _default_backend(world_size),
         "init_distributed": cls.init_distributed,
         "set_dist_env": cls.set_dist_env,
-        "reuse": reuse,
         "keep_group": cls.reuse_dist_env,
+        "group_timeout": min(cls.exec_timeout, _GROUP_TIMEOUT),
         "sys_path": list(sys.path),
     }
-    tasks = [dict(base, rank=rank) for rank in range(world_size)]
+    for attempt in range(_SETUP_ATTEMPTS):
+        workers = the_pool.acquire(world_size)
+        results = _attempt(cls, test, workers)
+        if attempt + 1 < _SETUP_ATTEMPTS and any(_could_not_connect(r) for r in results):
+            # [Note: connection retries] The ranks could not connect: gloo's full-mesh
+            # connection of a new group is now and then closed by the peer on a busy machine
+            # (gloo itself added connection retries later). The test runs once more on fresh
+            # workers; a second failure is reported, so a real connection bug still shows.
+            the_pool.discard(workers)
+            warnings.warn(
+                f"{where}: its ranks could not connect; ran it again on fresh workers",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+            continue
+        break
+    _echo_logs(results)
+    _report(where, results, cls.exec_timeout)
+
+
+def _could_not_connect(result: RankResult) -> bool:
+    """A rank that could not create its process group, or a group within the test."""
+    if result.status == "setup":
+        return True
+    return result.status == "error" and "Gloo connectFullMesh failed" in result.text
+
+
+def _attempt(
+    cls: type[DistributedTest], test: dict[str, Any], workers: list[_Worker]
+) -> list[RankResult]:
+    """Run the test once on `workers`, with a fresh rendezvous."""
+    the_pool = pool()
+    reuse = cls.reuse_dist_env and _shared_group(workers, test["world_size"])
+    group_id = (
+        workers[0].live_group
+        if reuse
+        else (the_pool.new_group_id() if cls.reuse_dist_env else None)
+    )
+    base = dict(
+        test,
+        port=free_port(),  # for tests that start zcomm themselves from the environment
+        store_path=the_pool.new_store_path(),
+        reuse=reuse,
+    )
+    tasks = [dict(base, rank=rank) for rank in range(test["world_size"])]
     results = the_pool.run(workers, tasks, timeout=cls.exec_timeout, grace=cls.failure_grace)
     ok = all(r.status in ("ok", "skip", "xfail") for r in results)
     for worker in workers:
         worker.live_group = group_id if ok else None
-    _echo_logs(results)
-    _report(where, results, cls.exec_timeout)
+    return results
 
 
 def _shared_group(workers: list[_Worker], world_size: int) -> bool:
@@ -188,7 +225,7 @@ def _echo_logs(results: list[RankResult]) -> None:
 
 
 def _report(where: str, results: list[RankResult], timeout: float) -> None:
-    failed = [r for r in results if r.status in ("error", "died")]
+    failed = [r for r in results if r.status in ("error", "died", "setup")]
     hung = [r for r in results if r.status == "hung"]
     if not failed and not hung:
         skipped = [r for r in results if r.status in ("skip", "xfail")]
@@ -197,7 +234,12 @@ def _report(where: str, results: list[RankResult], timeout: float) -> None:
         return
     parts = [f"{where} failed:"]
     for r in sorted(failed, key=lambda r: r.finished_at):  # the first to fail is the likely cause
-        if r.status == "died":
+        if r.status == "setup":
+            parts.append(
+                f"rank {r.rank} could not set up its process group "
+                f"({_SETUP_ATTEMPTS} attempts, fresh workers each time):\n{r.text.rstrip()}"
+            )
+        elif r.status == "died":
             parts.append(
                 f"rank {r.rank} {r.text} (its output is shown above with a [rank {r.rank}] prefix)"
             )

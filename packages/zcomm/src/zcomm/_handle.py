@@ -7,6 +7,7 @@ from torch are re-raised naming the operation, the group and the rank.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -98,6 +99,15 @@ def run(
     finish: Callable[[], None] | None = None,
 ) -> Handle:
     """Issue `call(async_op)` and return its handle; synchronous calls come back completed."""
+    if not async_op and finish is None and not _accounting.enabled():
+        # The common call: synchronous, nothing to finish, nothing to record. A completed
+        # handle never changes, so one per operation serves every such call, and the hot
+        # path costs the torch call and little more.
+        try:
+            call(False)
+        except RuntimeError as error:
+            raise comm_error(op, group, error) from error
+        return _done(op)
     handle = Handle(op, group, None, finish=finish, nbytes=nbytes)
     try:
         work = call(async_op)
@@ -111,6 +121,16 @@ def run(
 
 def completed(op: str, finish: Callable[[], None] | None = None) -> Handle:
     """A handle for an operation that needed no communication (the world-of-one fast path)."""
+    if finish is None:
+        return _done(op)
     handle = Handle(op, None, None, finish=finish)
+    handle._complete()
+    return handle
+
+
+@functools.cache
+def _done(op: str) -> Handle:
+    """The shared completed handle of `op`."""
+    handle = Handle(op, None, None)
     handle._complete()
     return handle

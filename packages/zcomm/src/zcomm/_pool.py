@@ -39,7 +39,7 @@ class RankResult:
     """What one rank of a test came back with."""
 
     rank: int
-    status: str  # ok | error | skip | xfail | died | hung
+    status: str  # ok | error | skip | xfail | setup | died | hung
     text: str = ""
     log: str = ""
     finished_at: float = field(default_factory=time.time)  # wall clock, comparable across ranks

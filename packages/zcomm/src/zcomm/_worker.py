@@ -90,12 +90,14 @@ def _set_env(task: dict[str, Any]) -> None:
 
 def _init(task: dict[str, Any]) -> None:
     # A file store, fresh per test: no rank waits for another's TCP server to come up (TCP
-    # rendezvous costs a retry, seconds, whenever rank 0 starts last).
+    # rendezvous costs a retry, seconds, whenever rank 0 starts last). The timeout bounds
+    # both the connection of the ranks and every collective of the test.
     zcomm.init_distributed(
         task["backend"],
         init_method=f"file://{task['store_path']}",
         rank=task["rank"],
         world_size=task["world_size"],
+        timeout=task["group_timeout"],
     )
 
 
@@ -109,7 +111,8 @@ def _outcome(error: BaseException) -> tuple[str, str]:
 
 
 def _run(task: dict[str, Any]) -> tuple[str, str, float]:
-    """Run one test method as one rank: ("ok" | "error" | "skip" | "xfail", text, when).
+    """Run one test method as one rank: ("ok" | "error" | "skip" | "xfail" | "setup", text,
+    when); "setup" means the process group could not be created, before the test ran.
 
     `when` is the wall-clock time the outcome was decided here, so the pytest process can
     tell which rank failed first even when the reports reach it together.
@@ -124,7 +127,10 @@ def _run(task: dict[str, Any]) -> tuple[str, str, float]:
         _set_env(task)
         torch.manual_seed(_TORCH_DEFAULT_SEED)
         if task["init_distributed"] and not zcomm.is_initialized():
-            _init(task)
+            try:
+                _init(task)
+            except Exception as error:  # before the test ran: the harness may try again
+                return "setup", "".join(traceback.format_exception(error)), time.time()
         module = _load_module(task["module"], task["path"])
         cls = _resolve(module, task["qualname"])
         method = getattr(cls, task["method"])
