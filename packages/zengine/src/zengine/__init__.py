@@ -1,4 +1,4 @@
-"""initialize(), the ZeRO engine and optimizer, mixed precision, offload, pipeline engine and checkpoints."""
+"""initialize(), the ZeRO engine and optimizer, mixed precision, offload, pipelines, checkpoints."""
 
 from zengine.__about__ import __version__
 

@@ -1,4 +1,4 @@
-"""Move training state to pinned host memory or NVMe and back, bit-exact, with a CuPy fast path on CUDA."""
+"""Training state to pinned host memory or NVMe and back, bit-exact, with a CuPy path on CUDA."""
 
 from zoffload.__about__ import __version__
 
