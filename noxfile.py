@@ -14,7 +14,6 @@ import shlex
 from pathlib import Path
 
 import nox
-import tomllib
 
 ROOT = Path(__file__).parent
 PACKAGES = ["zpipe", "zcomm", "zpartition", "zoffload", "zengine"]
@@ -33,7 +32,7 @@ def _requirement_name(requirement: str) -> str:
 
 def _declared(package: str) -> list[str]:
     """The dependency names in a package's pyproject (not its extras)."""
-    pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    pyproject = nox.project.load_toml(ROOT / "packages" / package / "pyproject.toml")
     return [_requirement_name(r) for r in pyproject["project"]["dependencies"]]
 
 
@@ -107,7 +106,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package, its tests, the benchmarks and the examples."""
-    session.install("-c", CONSTRAINTS, "torch", "mypy>=1.10", *TEST_DEPS)
+    session.install("-c", CONSTRAINTS, "torch", "mypy>=1.10", "nox", *TEST_DEPS)
     config = ["--config-file", str(ROOT / "pyproject.toml")]
     for package in PACKAGES:
         package_dir = ROOT / "packages" / package
