@@ -116,6 +116,28 @@ def _check_pair(
             raise ValueError(f"{op}: {name} must be contiguous")
 
 
+def _prepare_pair(
+    op: str,
+    small: torch.Tensor,
+    big: torch.Tensor,
+    names: tuple[str, str],
+    group: dist.ProcessGroup | None,
+    *,
+    result: torch.Tensor,
+) -> int:
+    """Check the shard and the full tensor of `op` and return the group size; in a group of
+    one the answer is the input itself, copied into `result` here."""
+    check_tensor(op, names[1], big)
+    check_tensor(op, names[0], small)
+    size = group_size(op, check_group(op, group))
+    _check_pair(op, small, big, names, size)
+    if size == 1:
+        source = small if result is big else big
+        if result.data_ptr() != source.data_ptr():
+            result.view(-1).copy_(source.view(-1))
+    return size
+
+
 def all_gather_into_tensor(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
@@ -129,13 +151,9 @@ def all_gather_into_tensor(
     group size times as many elements as `input_tensor`.
     """
     op = "all_gather_into_tensor"
-    check_tensor(op, "output_tensor", output_tensor)
-    check_tensor(op, "input_tensor", input_tensor)
-    size = group_size(op, check_group(op, group))
-    _check_pair(op, input_tensor, output_tensor, ("input_tensor", "output_tensor"), size)
+    names = ("input_tensor", "output_tensor")
+    size = _prepare_pair(op, input_tensor, output_tensor, names, group, result=output_tensor)
     if size == 1:
-        if output_tensor.data_ptr() != input_tensor.data_ptr():
-            output_tensor.view(-1).copy_(input_tensor.view(-1))
         return completed(op)
     return gather_flat(op, output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -174,13 +192,8 @@ def reduce_scatter_tensor(
     contiguous chunk of the reduction.
     """
     name = "reduce_scatter_tensor"
-    check_tensor(name, "output", output)
-    check_tensor(name, "input", input)
-    size = group_size(name, check_group(name, group))
-    _check_pair(name, output, input, ("output", "input"), size)
+    size = _prepare_pair(name, output, input, ("output", "input"), group, result=output)
     if size == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.view(-1).copy_(input.view(-1))
         return completed(name)
     return scatter_flat(name, output, input, op=op, group=group, async_op=async_op, size=size)
 
