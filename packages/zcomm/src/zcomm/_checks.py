@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_group", "check_peer", "check_same_kind", "check_tensor"]
+__all__ = ["check_group", "check_peer", "check_rank", "check_same_kind", "check_tensor"]
 
 
 def check_tensor(op: str, name: str, value: Any) -> torch.Tensor:
@@ -36,13 +36,19 @@ def check_group(op: str, group: Any) -> dist.ProcessGroup | None:
     return group
 
 
+def check_rank(op: str, name: str, rank: Any, group: dist.ProcessGroup | None) -> int:
+    """`rank` as a global rank of `group`, or an error naming `name`."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{op}({name}=...): expected a rank (int), got {rank!r}")
+    ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    if rank not in ranks:
+        raise ValueError(f"{op}({name}={rank}): not a rank of the group (ranks {list(ranks)})")
+    return rank
+
+
 def check_peer(op: str, name: str, peer: Any, group: dist.ProcessGroup | None) -> int:
     """`peer` as a global rank of `group` other than this one, or an error naming `name`."""
-    if isinstance(peer, bool) or not isinstance(peer, int):
-        raise TypeError(f"{op}({name}=...): expected a rank (int), got {peer!r}")
-    ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
-    if peer not in ranks:
-        raise ValueError(f"{op}({name}={peer}): not a rank of the group (ranks {list(ranks)})")
-    if peer == dist.get_rank():
-        raise ValueError(f"{op}({name}={peer}): that is this process's own rank")
-    return peer
+    rank = check_rank(op, name, peer, group)
+    if rank == dist.get_rank():
+        raise ValueError(f"{op}({name}={rank}): that is this process's own rank")
+    return rank

@@ -90,6 +90,12 @@ def _offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
     return offsets
 
 
+def _copy_each(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    """The answer of either coalesced collective in a group of one: each input itself."""
+    for out, inp in zip(outputs, inputs, strict=True):
+        out.view(-1).copy_(inp.reshape(-1))
+
+
 def all_gather_coalesced(
     outputs: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
@@ -107,8 +113,7 @@ def all_gather_coalesced(
     size = group_size(op, check_group(op, group))
     _check_lists(op, inputs, outputs, ("inputs", "outputs"), size)
     if size == 1:
-        for out, inp in zip(outputs, inputs, strict=True):
-            out.view(-1).copy_(inp.reshape(-1))
+        _copy_each(outputs, inputs)
         return completed(op)
     offsets = _offsets(inputs)
     flat_in = _flat(inputs)
@@ -140,8 +145,7 @@ def reduce_scatter_coalesced(
     size = group_size(name, check_group(name, group))
     _check_lists(name, outputs, inputs, ("outputs", "inputs"), size)
     if size == 1:
-        for out, inp in zip(outputs, inputs, strict=True):
-            out.view(-1).copy_(inp.reshape(-1))
+        _copy_each(outputs, inputs)
         return completed(name)
     offsets = _offsets(outputs)
     flat_in = inputs[0].new_empty(size, offsets[-1])

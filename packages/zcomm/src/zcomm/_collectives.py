@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from zcomm._checks import check_group, check_same_kind, check_tensor
+from zcomm._checks import check_group, check_rank, check_same_kind, check_tensor
 from zcomm._handle import Handle, completed, run
 from zcomm._world import group_size
 
@@ -86,11 +86,7 @@ def broadcast(
     """Copy `tensor` from global rank `src` to every rank of `group`, in place."""
     check_tensor("broadcast", "tensor", tensor)
     size = group_size("broadcast", check_group("broadcast", group))
-    if isinstance(src, bool) or not isinstance(src, int):
-        raise TypeError(f"broadcast(src=...): expected a rank (int), got {src!r}")
-    ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
-    if src not in ranks:
-        raise ValueError(f"broadcast(src={src}): not a rank of the group (ranks {list(ranks)})")
+    check_rank("broadcast", "src", src, group)
     if size == 1:
         return completed("broadcast")
     return run(
