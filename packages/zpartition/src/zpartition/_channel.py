@@ -1,0 +1,122 @@
+"""Every collective zpartition issues goes through a `Channel`, which makes ranks agree first.
+
+[Note: agreement]
+ZeRO-3 is only correct while every rank gathers the same parameters in the same order. When
+ranks disagree (one skips a branch), a plain collective of mismatched sizes aborts gloo's
+process with no message and hangs NCCL. So each batch of collectives is preceded by a fixed-size
+*header* all-gather that says what this rank is about to send: a kind and the unit ids. Headers
+are all the same size, so two ranks that disagree still pair header with header; the payload
+goes out only once every header matched, and a mismatch raises `ZeroParamError` on every rank,
+naming what each rank wanted (module, parameters, rank). One tiny collective per batch is the
+price; batches are large once the coordinator prefetches.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zcomm
+from zpartition._errors import ZeroParamError
+
+__all__ = ["Channel", "Kind"]
+
+_HEADER = 8  # int64 words: kind, count, checksum, then up to five ids for the message
+_SHOWN = _HEADER - 3
+
+
+class Kind(enum.IntEnum):
+    """What a batch of collectives does."""
+
+    GATHER = 1
+    REDUCE = 2
+    BROADCAST = 3
+    END_BACKWARD = 4
+
+
+def _checksum(ids: Sequence[int]) -> int:
+    total = 0
+    for i in ids:
+        total = (total * 1_000_003 + i + 1) % (1 << 61)
+    return total
+
+
+class Channel:
+    """The process group of one partitioned model, with agreement before each batch."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.global_rank = dist.get_rank()
+        self.units: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        backend = str(dist.get_backend(group))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in backend
+            else torch.device("cpu")
+        )
+        # ids of units and parameters made on this group: the same on every rank, because every
+        # rank builds the same modules in the same order (headers and orders rely on that)
+        self._unit_ids = itertools.count()
+        self._param_ids = itertools.count()
+        self.live_numel = 0  # elements of non-persistent parameters gathered or in flight now
+        self.peak_live_numel = 0  # the most there ever were; `reset_peak` starts over
+
+    def next_unit_id(self) -> int:
+        return next(self._unit_ids)
+
+    def next_param_id(self) -> int:
+        return next(self._param_ids)
+
+    def count_live(self, delta: int) -> None:
+        self.live_numel += delta
+        if self.live_numel > self.peak_live_numel:
+            self.peak_live_numel = self.live_numel
+
+    def describe(self, uid: int) -> str:
+        """Unit `uid` in words, for messages: its module's name and its parameters' names."""
+        unit = self.units.get(uid)
+        if unit is None:
+            return f"unit {uid}"
+        names = [getattr(p, "ds_name", f"ds_id {p.ds_id}") for p in unit.params]
+        shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        return f"module {unit.name!r} (parameters {shown})"
+
+    def agree(self, kind: Kind, ids: Sequence[int]) -> None:
+        """Block until every rank announced the same `kind` and `ids`; raise if one did not."""
+        if self.size == 1:
+            return
+        mine = [int(kind), len(ids), _checksum(ids), *ids[:_SHOWN]]
+        mine += [-1] * (_HEADER - len(mine))
+        header = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.size * _HEADER, dtype=torch.int64, device=self.device)
+        zcomm.all_gather_into_tensor(everyone, header, group=self.group)
+        rows = everyone.view(self.size, _HEADER).tolist()
+        if any(row[:3] != mine[:3] for row in rows):
+            raise ZeroParamError(self._disagreement(rows))
+
+    def _disagreement(self, rows: list[list[int]]) -> str:
+        lines = [
+            "ranks disagree on which parameters to communicate (every rank must run the same "
+            "modules in the same order; make a module that runs on some ranks only a leaf with "
+            "zpartition.set_z3_leaf_modules so its parent gathers it on every rank):"
+        ]
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        for r, row in enumerate(rows):
+            who = ranks[r] if ranks is not None else r
+            kind = Kind(row[0]).name.lower().replace("_", " ") if row[0] in set(Kind) else "?"
+            shown = [self.describe(i) for i in row[3 : 3 + min(row[1], _SHOWN)]]
+            more = f" and {row[1] - _SHOWN} more" if row[1] > _SHOWN else ""
+            what = "; ".join(shown) + more if shown else "nothing"
+            if row[1] > 1:
+                what = f"{row[1]} units: {what}"
+            mark = " (this rank)" if r == self.rank else ""
+            lines.append(f"  rank {who}{mark}: {kind} {what}")
+        return "\n".join(lines)

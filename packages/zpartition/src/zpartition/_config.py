@@ -1,0 +1,43 @@
+"""The knobs of ZeRO-3 parameter handling, under DeepSpeed's names without ``stage3_``."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+__all__ = ["ZeroParamConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroParamConfig:
+    """How parameters are gathered, kept and prefetched; every size counts elements.
+
+    The defaults are DeepSpeed's. zengine builds this from ``zero_optimization``'s
+    ``stage3_*`` keys.
+    """
+
+    prefetch_bucket_size: int = 50_000_000
+    """Elements gathered ahead of the module that runs now, once the order is known."""
+    param_persistence_threshold: int = 100_000
+    """Parameters of at most this many elements stay gathered all the time."""
+    model_persistence_threshold: int = sys.maxsize
+    """At most this many elements in all persistent parameters together."""
+    max_live_parameters: int = 1_000_000_000
+    """At most this many elements gathered at once (the running module's always are)."""
+    max_reuse_distance: int = 1_000_000_000
+    """A parameter used again within this many gathered elements is kept, not released."""
+    module_granularity_threshold: int = 0
+    """Modules whose parameters per layer are at most this become leaves (0: none)."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, field.name, int(value))  # JSON configs write 1e5
+            elif not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"ZeroParamConfig.{field.name} must be an integer number of elements, "
+                    f"got {value!r}"
+                )
+            if getattr(self, field.name) < 0:
+                raise ValueError(f"ZeroParamConfig.{field.name} must be >= 0, got {value}")

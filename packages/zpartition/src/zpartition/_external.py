@@ -1,0 +1,87 @@
+"""External parameters: a parameter used by a module that does not own it.
+
+A module keeps them in ``module._external_params`` (a dict keyed by ``ds_id``, as DeepSpeed
+does) and gathers them with its own. They are found three ways: registered by the user
+(`register_external_parameter`), read through another module's attribute during a forward (the
+parameter dict below notices), or returned from a forward (the hooks notice, and move the
+registration up to the module that consumes the output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zpartition._status import ZeroParamStatus
+
+__all__ = ["ParamDict", "register_external_parameter", "unregister_external_parameter"]
+
+_NOT_AVAILABLE = ZeroParamStatus.NOT_AVAILABLE
+
+
+def _externals(module: nn.Module) -> dict[int, nn.Parameter]:
+    found = module.__dict__.get("_external_params")
+    if found is None:
+        found = {}
+        module.__dict__["_external_params"] = found
+    return found
+
+
+def _changed(module: nn.Module) -> None:
+    on_change = module.__dict__.get("_zp_on_externals_changed")
+    if on_change is not None:
+        on_change()
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Gather `parameter` whenever `module` runs, though another module owns it."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be an nn.Module, got {module!r}")
+    if not isinstance(parameter, torch.Tensor) or not hasattr(parameter, "ds_id"):
+        raise TypeError(
+            "register_external_parameter: parameter must be a ZeRO-3 parameter (one "
+            "partitioned by zpartition.Init or zpartition.partition)"
+        )
+    externals = _externals(module)
+    if parameter.ds_id not in externals:
+        externals[parameter.ds_id] = parameter
+        _changed(module)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo `register_external_parameter`; an unknown pair is an error."""
+    externals = _externals(module)
+    if not hasattr(parameter, "ds_id") or parameter.ds_id not in externals:
+        raise ValueError(
+            "unregister_external_parameter: the parameter is not registered on "
+            f"{type(module).__name__}"
+        )
+    del externals[parameter.ds_id]
+    _changed(module)
+
+
+class ParamDict(dict[str, Any]):
+    """``module._parameters`` that notices a partitioned parameter read while a forward runs.
+
+    ``nn.Module.__getattr__`` looks parameters up with ``_parameters[name]``, so reading
+    ``other.weight`` from inside some forward comes here; an unavailable parameter is then
+    handed to `on_read`, which registers it on the running module and gathers it.
+    """
+
+    __slots__ = ("on_read",)
+
+    def __init__(self, items: dict[str, Any], on_read: Callable[[nn.Parameter], None]) -> None:
+        super().__init__(items)
+        self.on_read = on_read  # the partitioned model's reader; it knows what is running
+
+    def __getitem__(self, key: str) -> Any:
+        value = dict.__getitem__(self, key)
+        if value is not None and getattr(value, "ds_status", None) is _NOT_AVAILABLE:
+            self.on_read(value)
+        return value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self),))  # pickles and deep-copies as the plain dict it stands for

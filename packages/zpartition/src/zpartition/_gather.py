@@ -1,0 +1,81 @@
+"""Gathering outside the hooks: one channel per process group, the registry of units by id, and
+the explicit gather and release behind ``param.all_gather()``, ``param.partition()`` and
+`GatheredParameters`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zpartition._channel import Channel, Kind
+from zpartition._status import ZeroParamStatus
+from zpartition._unit import Unit
+
+__all__ = ["EXPLICIT", "channel_for", "gather_now", "new_unit", "release_now"]
+
+# The user id of gathers asked for explicitly (all_gather(), GatheredParameters): such a unit
+# stays gathered until the matching release, whatever the hooks do meanwhile.
+EXPLICIT = -1
+
+_channels: dict[object, Channel] = {}  # keyed by group (None: the world); one per group
+def channel_for(group: dist.ProcessGroup | None) -> Channel:
+    """The channel of `group`, made on first use (every rank of the group gets the same one)."""
+    key = group if group is not None else dist.group.WORLD  # a new world gets new channels
+    channel = _channels.get(key)
+    if channel is None:
+        channel = Channel(group)
+        _channels.clear() if len(_channels) > 64 else None  # groups of torn-down worlds
+        _channels[key] = channel
+    return channel
+
+
+def new_unit(
+    uid: int, name: str, params: Sequence[nn.Parameter], channel: Channel, device: torch.device
+) -> Unit:
+    unit = Unit(uid, name, params, channel, device=device)
+    channel.units[uid] = unit
+    return unit
+
+
+def _units_of(params: Iterable[nn.Parameter]) -> list[Unit]:
+    found: dict[int, Unit] = {}
+    for p in params:
+        unit = getattr(p, "ds_unit", None)
+        if unit is None:
+            raise TypeError(
+                f"parameter of shape {tuple(p.shape)} is not a ZeRO-3 parameter "
+                "(partition its module with zpartition.Init or zpartition.partition first)"
+            )
+        found.setdefault(unit.uid, unit)
+    return [found[k] for k in sorted(found)]  # the same order on every rank
+
+
+def gather_now(params: Iterable[nn.Parameter], user: int = EXPLICIT) -> list[Unit]:
+    """Gather the units holding `params` (all of them: a unit moves whole) and keep them."""
+    units = _units_of(params)
+    for u in units:
+        if u.persistent:
+            u.refresh()
+    missing = [u for u in units if u.status is ZeroParamStatus.NOT_AVAILABLE]
+    by_channel: dict[int, list[Unit]] = {}
+    for u in missing:
+        by_channel.setdefault(id(u.channel), []).append(u)
+    for batch in by_channel.values():
+        batch[0].channel.agree(Kind.GATHER, [u.uid for u in batch])
+        for u in batch:
+            u.issue_gather()
+    for u in units:
+        u.wait()
+        u.users.add(user)
+    return units
+
+
+def release_now(params: Iterable[nn.Parameter], user: int = EXPLICIT) -> None:
+    """Drop `user`'s hold on the units of `params`; release those nobody else holds."""
+    for u in _units_of(params):
+        u.users.discard(user)
+        if not u.users and not u.persistent:
+            u.release()

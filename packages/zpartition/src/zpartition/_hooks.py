@@ -1,0 +1,252 @@
+"""The hooks: gather before a module runs forward or backward, release after, reduce gradients.
+
+[Note: hooks]
+Only modules with partitioned parameters somewhere below them get hooks; a leaf module gets
+them and its children none. Per module and pass:
+- forward pre-hook: push the module on the stack, fetch its units (own and external);
+- forward hook: pop; adopt parameters returned in the output (they become external parameters
+  of the module that consumes them); when grad is on, put a pre-hook on the ``grad_fn`` of each
+  output tensor (it fetches the units again before the module's backward runs); release;
+- on each trainable parameter, a post-accumulate-grad hook counts arrivals; when a unit's last
+  gradient arrived its backward is over: reduce-scatter the gradients, release;
+- at the end of backward (an autograd engine callback): reduce what is left (parameters that got
+  no gradient contribute zeros), agree across ranks that the pass ended alike, release all.
+Outputs are walked with torch's pytree; objects it does not know are searched one level deep
+through their attributes, so dataclasses and plain objects pass through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from zpartition._channel import Channel, Kind
+from zpartition._coordinator import Coordinator
+from zpartition._errors import ZeroParamError
+from zpartition._external import register_external_parameter, unregister_external_parameter
+from zpartition._status import ZeroParamStatus
+from zpartition._unit import Unit
+
+__all__ = ["ModuleInfo", "State"]
+
+_Tensor = torch.Tensor
+_NOT_AVAILABLE = ZeroParamStatus.NOT_AVAILABLE
+
+
+@dataclasses.dataclass(eq=False)
+class ModuleInfo:
+    """What the hooks of one module need, found once at registration."""
+
+    module: nn.Module
+    mid: int  # the module's id as a user of units
+    name: str  # qualified name in the model, for messages
+    own: Unit | None  # the unit of its own parameters (of its subtree when a leaf)
+    units: tuple[Unit, ...] = ()  # own plus the units of its external parameters
+    backward_pass: int = -1  # the pass in which its backward last fetched
+
+
+def _tensors(output: Any) -> Iterator[_Tensor]:
+    """Every tensor in `output`: pytree containers, then one level of unknown objects."""
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, _Tensor):
+            yield leaf
+        elif leaf is not None and hasattr(leaf, "__dict__") and not isinstance(leaf, type):
+            for value in vars(leaf).values():
+                if isinstance(value, _Tensor):
+                    yield value
+                elif isinstance(value, (tuple, list, dict)):
+                    yield from (t for t in pytree.tree_leaves(value) if isinstance(t, _Tensor))
+
+
+class State:
+    """The running state of one partitioned model: module stack, passes, backward."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        infos: dict[nn.Module, ModuleInfo],
+        coordinator: Coordinator,
+        persistent: Unit | None,
+        channel: Channel,
+    ) -> None:
+        self.root = root
+        self.infos = infos
+        self.coordinator = coordinator
+        self.persistent = persistent  # the unit of every persistent parameter, or None
+        self.channel = channel
+        self.stack: list[ModuleInfo] = []  # modules whose forward is running, innermost last
+        self.passes = 0  # passes begun; a backward fetches each module once per pass
+        self.in_backward = False  # between a backward's first hook and its end callback
+        self.handles: list[Any] = []  # removable hook handles
+        self.units: list[Unit] = []  # every unit with trainable parameters, in order
+
+    # -- registration ----------------------------------------------------------------------
+
+    def install(self) -> None:
+        for info in self.infos.values():
+            self._install_module(info)
+        for unit in self.units:
+            hook = self._grad_arrived(unit)
+            for p in unit.params:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _install_module(self, info: ModuleInfo) -> None:
+        module = info.module
+        pre = self._begin_pass if module is self.root else None
+        self.handles.append(module.register_forward_pre_hook(self._pre_forward(info, pre)))
+        self.handles.append(module.register_forward_hook(self._post_forward(info)))
+        module.__dict__["_zp_on_externals_changed"] = lambda: self._externals_changed(info)
+        self.refresh_units(info)
+
+    def _externals_changed(self, info: ModuleInfo) -> None:
+        self.refresh_units(info)
+        self.coordinator.forget_recording()
+
+    def refresh_units(self, info: ModuleInfo) -> None:
+        """Recompute the units a module fetches after its external parameters changed."""
+        units = [info.own] if info.own is not None else []
+        for p in info.module.__dict__.get("_external_params", {}).values():
+            unit = p.ds_unit
+            if unit is not None and not unit.persistent and unit not in units:
+                units.append(unit)
+        info.units = tuple(units)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _pre_forward(
+        self, info: ModuleInfo, begin: Callable[[nn.Module], None] | None
+    ) -> Callable[[nn.Module, Any], None]:
+        stack, fetch = self.stack, self.coordinator.fetch
+
+        def hook(module: nn.Module, args: Any) -> None:
+            if begin is not None:
+                begin(module)
+            stack.append(info)
+            if info.units:
+                fetch(info.units, info.mid)
+
+        return hook
+
+    def _post_forward(self, info: ModuleInfo) -> Callable[[nn.Module, Any, Any], None]:
+        stack, release = self.stack, self.coordinator.release
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if stack and stack[-1] is info:
+                stack.pop()
+            if output is not None and type(output) is not _Tensor:
+                self._adopt_returned(info, output)
+            if info.units:
+                if torch.is_grad_enabled():
+                    self._hook_backward(info, output)
+                release(info.units, info.mid)
+
+        return hook
+
+    def _begin_pass(self, module: nn.Module) -> None:
+        if self.stack:
+            self.stack.clear()  # a forward that raised left its modules on the stack
+        self.passes += 1
+        self.coordinator.begin_pass((module.training, torch.is_grad_enabled()))
+        if self.persistent is not None:
+            self.persistent.refresh()  # the optimizer changed the shards: gather them again
+
+    def _adopt_returned(self, info: ModuleInfo, output: Any) -> None:
+        """Parameters returned from `info`'s forward become external parameters of the module
+        that called it, so they stay gathered while that module uses them."""
+        returned = [t for t in _tensors(output) if hasattr(t, "ds_id")]
+        if not returned or not self.stack:
+            return
+        parent = self.stack[-1]
+        for p in returned:
+            if any(p.ds_id in m.module.__dict__.get("_external_params", {}) for m in self.stack):
+                continue
+            register_external_parameter(parent.module, p)
+            if p.ds_id in info.module.__dict__.get("_external_params", {}):
+                unregister_external_parameter(info.module, p)
+            if p.ds_unit is not None and not p.ds_unit.persistent:
+                p.ds_unit.users.add(parent.mid)  # it is gathered now: keep it for the parent
+
+    def read_while_unavailable(self, param: nn.Parameter) -> None:
+        """A partitioned parameter was read through a module's attribute while unavailable."""
+        if not self.stack:
+            return  # outside any forward: reading is fine, using it is the caller's business
+        running = self.stack[-1]
+        register_external_parameter(running.module, param)
+        self.coordinator.fetch((param.ds_unit,), running.mid)
+
+    # -- backward --------------------------------------------------------------------------
+
+    def _hook_backward(self, info: ModuleInfo, output: Any) -> None:
+        fetch = self._pre_backward(info)
+        tensors = (output,) if type(output) is _Tensor else _tensors(output)
+        for t in tensors:
+            if t.requires_grad:
+                grad_fn = t.grad_fn
+                if grad_fn is not None:
+                    grad_fn.register_prehook(fetch)
+                else:
+                    t.register_hook(fetch)
+
+    def _pre_backward(self, info: ModuleInfo) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if not self.in_backward:
+                self._start_backward()
+            if info.backward_pass != self.passes and info.units:
+                info.backward_pass = self.passes
+                self.coordinator.fetch(info.units, info.mid)
+
+        return hook
+
+    def _grad_arrived(self, unit: Unit) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            if not self.in_backward:
+                self._start_backward()
+            unit.ready += 1
+            if unit.ready == unit.trainable:
+                unit.reduce_gradients()
+                if not unit.persistent:
+                    users = list(unit.users)
+                    unit.users.clear()
+                    self.coordinator.release((unit,), users[0] if users else -2)
+
+        return hook
+
+    def _start_backward(self) -> None:
+        self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self.in_backward = False
+        for unit in self.units:
+            if 0 < unit.ready < unit.trainable:
+                unit.reduce_gradients()  # the missing gradients count as zeros
+        self.channel.agree(Kind.END_BACKWARD, [])
+        self.coordinator.release_all()
+
+    # -- errors ----------------------------------------------------------------------------
+
+    def diagnose(self, error: Exception) -> ZeroParamError | None:
+        """Name the unavailable parameter behind an error raised inside a forward."""
+        if not self.stack:
+            return None
+        info = self.stack[-1]
+        self.stack.clear()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for name, p in info.module.named_parameters():
+            if getattr(p, "ds_status", None) is _NOT_AVAILABLE and not p.ds_persist:
+                qualified = f"{info.name}.{name}" if info.name else name
+                return ZeroParamError(
+                    f"rank {rank}: module {info.name or '<root>'!r} "
+                    f"({type(info.module).__name__}) failed while its parameter {qualified!r} "
+                    f"is not available ({p.ds_summary()}); a parameter used outside the module "
+                    "that owns it must be registered with register_external_parameter, or "
+                    f"gathered with GatheredParameters. The error was: {error}"
+                )
+        return None

@@ -1,0 +1,186 @@
+"""`Init`: partition parameters while the model is built, so no rank ever holds all of it.
+
+Inside the context every ``nn.Module`` subclass's ``__init__`` is wrapped; when the outermost
+``__init__`` of a module returns (the most-derived class's, so parents' constructors still see
+full parameters), that module's own parameters are made equal across ranks (rank 0's values, one
+broadcast per module) and cut into shards. Children were cut when their own ``__init__`` returned,
+so at any moment at most one module's parameters exist in full. The wrappers are removed on exit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zcomm
+from zpartition._gather import channel_for, new_unit
+from zpartition._partitioned import convert_module
+
+__all__ = ["Init"]
+
+_active: list[Init] = []  # the Init contexts entered, innermost last
+_wrapped: dict[type, Callable[..., None]] = {}  # class -> its own __init__, while patched
+_saved_init_subclass: Any = None
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
+
+
+def _wrap(cls: type) -> None:
+    original = cls.__dict__.get("__init__")
+    if original is None or cls in _wrapped:
+        return
+
+    @functools.wraps(original)
+    def init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        depth = self.__dict__.get("_zp_init_depth", 0)
+        self.__dict__["_zp_init_depth"] = depth + 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            self.__dict__["_zp_init_depth"] = depth
+        if depth == 0:
+            del self.__dict__["_zp_init_depth"]
+            if _active:
+                _active[-1]._partition(self)
+
+    _wrapped[cls] = original
+    cls.__init__ = init  # type: ignore[misc]
+
+
+def _patch() -> None:
+    global _saved_init_subclass
+    for cls in _subclasses(nn.Module):
+        _wrap(cls)
+    _saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+
+    def init_subclass(cls: type, **kwargs: Any) -> None:
+        super(nn.Module, cls).__init_subclass__(**kwargs)
+        _wrap(cls)  # classes defined inside the context
+
+    nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+
+
+def _unpatch() -> None:
+    for cls, original in _wrapped.items():
+        cls.__init__ = original  # type: ignore[misc]
+    _wrapped.clear()
+    if _saved_init_subclass is None:
+        del nn.Module.__init_subclass__
+    else:
+        nn.Module.__init_subclass__ = _saved_init_subclass  # type: ignore[method-assign]
+
+
+def _config_dtype(config: dict[str, Any] | str | Path | None) -> torch.dtype | None:
+    """bf16 or fp16 parameters when a DeepSpeed config enables them (as DeepSpeed's Init)."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        config = json.loads(Path(config).read_text())
+    if config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return None
+
+
+class Init:
+    """Partition parameters as modules are built: ``with zpartition.Init(): model = Net()``.
+
+    Args:
+        module: an already built module to partition now (no context needed).
+        data_parallel_group: the group to partition across (the world by default).
+        remote_device: ``"cpu"`` keeps the shards in host memory; ``None`` on the accelerator.
+        pin_memory: pin host shards (with ``remote_device="cpu"`` on a CUDA machine).
+        config_dict_or_path: a DeepSpeed config (dict or JSON path): its bf16/fp16 setting
+            picks the parameter dtype. ``config`` is an alias.
+        enabled: ``False`` makes the context do nothing.
+        dtype: cast floating-point parameters to this dtype (wins over the config).
+        mpu: accepted for DeepSpeed compatibility; unused.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
+        remote_device: str | torch.device | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: dict[str, Any] | str | Path | None = None,
+        config: dict[str, Any] | str | Path | None = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: object = None,
+    ) -> None:
+        self.enabled = enabled
+        self.group = data_parallel_group
+        self.pin_memory = pin_memory
+        self.dtype = dtype or _config_dtype(config_dict_or_path or config)
+        if remote_device not in (None, "cpu", "none") and not isinstance(
+            remote_device, torch.device
+        ):
+            raise ValueError(
+                f"Init(remote_device={remote_device!r}): expected None or 'cpu' "
+                "(NVMe parameter offload is zengine's offload_param)"
+            )
+        self.remote_device = None if remote_device in (None, "none") else torch.device(
+            remote_device  # type: ignore[arg-type]
+        )
+        if enabled and not dist.is_initialized():
+            zcomm.init_distributed()
+        if module is not None and enabled:
+            for m in module.modules():
+                self._partition(m)
+
+    def __enter__(self) -> Init:
+        if self.enabled:
+            if not _active:
+                _patch()
+            _active.append(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: types.TracebackType | None,
+    ) -> None:
+        if not self.enabled:
+            return
+        _active.remove(self)
+        if not _active:
+            _unpatch()
+
+    def _partition(self, module: nn.Module) -> None:
+        compute = zcomm.get_accelerator().device() if torch.cuda.is_available() else None
+        for p in module.parameters(recurse=False):
+            if compute is not None and not hasattr(p, "ds_id"):
+                p.data = p.data.to(compute)
+        params = convert_module(
+            module,
+            group=self.group,
+            recurse=False,
+            shard_device=self.remote_device,
+            dtype=self.dtype,
+        )
+        if not params:
+            return
+        if self.pin_memory and self.remote_device is not None and torch.cuda.is_available():
+            for p in params:
+                p.ds_tensor = p.ds_tensor.pin_memory()
+        channel = channel_for(self.group)
+        new_unit(channel.next_unit_id(), type(module).__name__, params, channel, params[0].device)

@@ -1,0 +1,267 @@
+"""`partition`: make a built model's parameters ZeRO-3 parameters and install the hooks."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zcomm
+from zpartition._config import ZeroParamConfig
+from zpartition._coordinator import Coordinator
+from zpartition._external import ParamDict
+from zpartition._gather import channel_for, new_unit
+from zpartition._hooks import ModuleInfo, State
+from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
+from zpartition._param import convert_parameter, next_module_id
+from zpartition._unit import Unit
+
+__all__ = ["Partitioned", "convert_module", "partition"]
+
+
+def _broadcast_params(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Make `params` equal on every rank (rank 0's values): ranks built them with their own RNG."""
+    if dist.get_world_size(group) == 1 or not params:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for same in by_dtype.values():
+        flat = torch.cat([p.data.reshape(-1) for p in same])
+        zcomm.broadcast(flat, src, group=group)
+        offset = 0
+        for p in same:
+            p.data.copy_(flat[offset : offset + p.numel()].view_as(p.data))
+            offset += p.numel()
+
+
+def convert_module(
+    module: nn.Module,
+    *,
+    group: dist.ProcessGroup | None,
+    recurse: bool,
+    shard_device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[nn.Parameter]:
+    """Partition the parameters of `module` not partitioned yet; returns them."""
+    fresh = [p for p in module.parameters(recurse=recurse) if not hasattr(p, "ds_id")]
+    fresh = list({id(p): p for p in fresh}.values())
+    _broadcast_params(fresh, group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    channel = channel_for(group)
+    for p in fresh:
+        convert_parameter(
+            p,
+            ds_id=channel.next_param_id(),
+            rank=rank,
+            world=world,
+            shard_device=shard_device or p.device,
+            compute_device=p.device,
+            dtype=dtype,
+        )
+    return fresh
+
+
+def _persistent(module: nn.Module, config: ZeroParamConfig) -> set[int]:
+    """ds_ids of the parameters that stay gathered, in model order until the total is spent."""
+    chosen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if p.ds_numel <= config.param_persistence_threshold and (
+            total + p.ds_numel <= config.model_persistence_threshold
+        ):
+            chosen.add(p.ds_id)
+            total += p.ds_numel
+            p.ds_persist = True
+    return chosen
+
+
+def _walk(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, bool]]:
+    """(name, module, is_leaf) in pre-order, not entering leaf modules."""
+    leaf = z3_leaf_module(module)
+    yield prefix, module, leaf
+    if leaf:
+        return
+    for name, child in module.named_children():
+        yield from _walk(child, f"{prefix}.{name}" if prefix else name)
+
+
+class Partitioned:
+    """A model whose parameters are partitioned, with its hooks; returned by `partition`.
+
+    Train it with any torch optimizer over `shard_parameters` (each rank steps its own shards);
+    ``remove()`` gathers the full parameters back and takes the hooks off.
+    """
+
+    def __init__(self, module: nn.Module, config: ZeroParamConfig, state: State) -> None:
+        self.module = module
+        self.config = config
+        self._state = state
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The prefetching coordinator (traces, invalidation count)."""
+        return self._state.coordinator
+
+    @property
+    def units(self) -> list[Unit]:
+        """Every unit of communication, in model order (the persistent one last)."""
+        units = list(self._state.coordinator.units.values())
+        if self._state.persistent is not None:
+            units.append(self._state.persistent)
+        return units
+
+    def shard_parameters(self) -> list[torch.Tensor]:
+        """This rank's shard (``ds_tensor``) of every trainable parameter: what to optimize."""
+        seen: dict[int, torch.Tensor] = {}
+        for p in self.module.parameters():
+            if p.requires_grad:
+                seen.setdefault(p.ds_id, p.ds_tensor)
+        return list(seen.values())
+
+    @property
+    def peak_live_numel(self) -> int:
+        """The most elements of non-persistent parameters gathered at once since `reset_peak`."""
+        return self._state.channel.peak_live_numel
+
+    def reset_peak(self) -> None:
+        channel = self._state.channel
+        channel.peak_live_numel = channel.live_numel
+
+    def remove(self) -> None:
+        """Gather every parameter back into ``param.data`` and remove the hooks."""
+        for handle in self._state.handles:
+            handle.remove()
+        for unit in self.units:
+            if unit.status.name != "AVAILABLE":
+                unit.channel.agree(_gather_kind(), [unit.uid])
+                unit.issue_gather()
+                unit.wait()
+            for p, view in zip(unit.params, unit.views, strict=True):
+                p.data = view.clone()
+        for m in self.module.modules():
+            if isinstance(m._parameters, ParamDict):
+                m._parameters = dict(m._parameters)
+            m.__dict__.pop("_zp_on_externals_changed", None)
+        self.module.__dict__.pop("forward", None)
+
+
+def _gather_kind() -> Any:
+    from zpartition._channel import Kind
+
+    return Kind.GATHER
+
+
+def partition(
+    module: nn.Module,
+    *,
+    config: ZeroParamConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Partitioned:
+    """Partition `module`'s parameters across `group` (the world by default) and hook it.
+
+    Parameters built under `Init` keep their shards; others are made equal to rank 0's and cut
+    here. Modules then gather their parameters to run forward and backward and release them
+    after; each rank's averaged gradients land in ``ds_tensor.grad``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"partition: module must be an nn.Module, got {type(module).__name__}")
+    config = config or ZeroParamConfig()
+    if not dist.is_initialized():
+        zcomm.init_distributed()
+    convert_module(module, group=group, recurse=True)
+    if config.module_granularity_threshold:
+        leaf_modules_by_granularity(module, config.module_granularity_threshold)
+    channel = channel_for(group)
+    persistent_ids = _persistent(module, config)
+    for name, p in module.named_parameters():
+        p.ds_name = name
+    infos, units = _build_units(module, channel, persistent_ids)
+    persistent = _persistent_unit(module, channel, persistent_ids)
+    coordinator = Coordinator(config, channel, units)
+    state = State(module, infos, coordinator, persistent, channel)
+    state.units = [u for u in units if u.trainable]
+    if persistent is not None and persistent.trainable:
+        state.units.append(persistent)
+    reader = state.read_while_unavailable
+    for info in infos.values():
+        m = info.module
+        if not isinstance(m._parameters, ParamDict):
+            m._parameters = ParamDict(m._parameters, reader)
+    state.install()
+    _guard_forward(module, state)
+    return Partitioned(module, config, state)
+
+
+def _device_of(params: list[nn.Parameter]) -> torch.device:
+    return params[0].data.device
+
+
+def _build_units(
+    module: nn.Module, channel: Any, persistent_ids: set[int]
+) -> tuple[dict[nn.Module, ModuleInfo], list[Unit]]:
+    owned: dict[int, Unit] = {}
+    infos: dict[nn.Module, ModuleInfo] = {}
+    units: list[Unit] = []
+    needs_hooks = _subtrees_with_partitioned(module, persistent_ids)
+    for name, m, leaf in _walk(module):
+        if m not in needs_hooks and m is not module:  # the root begins every pass
+            continue
+        params = list(m.parameters(recurse=leaf))
+        mine = [p for p in params if p.ds_id not in owned and p.ds_id not in persistent_ids]
+        mine = list({p.ds_id: p for p in mine}.values())
+        unit = None
+        mid = next_module_id()
+        if mine:
+            unit = new_unit(channel.next_unit_id(), name or "<root>", mine, channel, _device_of(mine))
+            units.append(unit)
+            for p in mine:
+                owned[p.ds_id] = unit
+                if leaf:
+                    p.ds_z3_leaf_module = m
+        externals = m.__dict__.setdefault("_external_params", {})
+        for p in params:
+            if p.ds_id in owned and owned[p.ds_id] is not unit:
+                externals[p.ds_id] = p  # tied: another module's unit holds it
+        infos[m] = ModuleInfo(m, mid, name, unit)
+    return infos, units
+
+
+def _subtrees_with_partitioned(module: nn.Module, persistent_ids: set[int]) -> set[nn.Module]:
+    found: set[nn.Module] = set()
+    for m in module.modules():
+        if any(p.ds_id not in persistent_ids for p in m.parameters()):
+            found.add(m)
+    return found
+
+
+def _persistent_unit(module: nn.Module, channel: Any, persistent_ids: set[int]) -> Unit | None:
+    params = [p for p in module.parameters() if p.ds_id in persistent_ids]
+    if not params:
+        return None
+    unit = new_unit(channel.next_unit_id(), "<persistent>", params, channel, _device_of(params))
+    unit.persistent = True
+    unit.refresh()
+    return unit
+
+
+def _guard_forward(module: nn.Module, state: State) -> None:
+    """Wrap the root's forward so an error from an unavailable parameter names it."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except Exception as error:
+            named = state.diagnose(error)
+            if named is None:
+                raise
+            raise named from error
+
+    module.forward = guarded  # type: ignore[method-assign]

@@ -1,0 +1,55 @@
+"""Small models for the tests, and a reference trainer without partitioning."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+HIDDEN, VOCAB, SEQ = 16, 32, 6
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.up = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.act = nn.GELU()
+        self.down = nn.Linear(3 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+class TinyGPT(nn.Module):
+    """Embedding, blocks, and a head tied to the embedding (read through its attribute)."""
+
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.bias = nn.Parameter(torch.zeros(VOCAB))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.norm(x) @ self.embed.weight.t() + self.bias
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1, dims=1).flatten())
+
+
+def batches(steps: int, batch: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
+
+
+def reference_losses(model: nn.Module, data: list[torch.Tensor], lr: float) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for tokens in data:
+        loss = model(tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,253 @@
+"""partition(): parity with an unpartitioned model, storage, statuses, the coordinator, errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zcomm
+import zpartition
+from zcomm.testing import DistributedTest
+from zpartition import ZeroParamConfig, ZeroParamError, ZeroParamStatus
+
+from ._models import Block, TinyGPT, batches, reference_losses
+
+SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
+LR = 0.1
+CONFIGS = {
+    "per-module": ZeroParamConfig(param_persistence_threshold=0),
+    "no-reuse": ZeroParamConfig(param_persistence_threshold=0, max_reuse_distance=0),
+    "small-prefetch": ZeroParamConfig(
+        param_persistence_threshold=0, prefetch_bucket_size=600, max_live_parameters=2000
+    ),
+    "persistent": ZeroParamConfig(),
+    "some-persistent": ZeroParamConfig(param_persistence_threshold=48),
+    "granularity": ZeroParamConfig(param_persistence_threshold=0, module_granularity_threshold=10**6),
+}
+
+
+def _train(model: nn.Module, handle: zpartition.Partitioned, data: list[torch.Tensor]) -> list[float]:
+    """Each rank trains on its slice of every global batch; returns the global mean losses."""
+    rank, world = zcomm.get_rank(), zcomm.get_world_size()
+    opt = torch.optim.SGD(handle.shard_parameters(), lr=LR)
+    losses = []
+    for tokens in data:
+        local = tokens.chunk(world)[rank]
+        loss = model(local)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        zcomm.all_reduce(mean, op=zcomm.ReduceOp.AVG)
+        losses.append(mean.item())
+    return losses
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    with zpartition.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class TestParity(DistributedTest):
+    @SIZES
+    @pytest.mark.parametrize("name", list(CONFIGS))
+    def test_losses_and_weights_match_unpartitioned(self, world_size: int, name: str) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        data = batches(4, 8)
+        handle = zpartition.partition(model, config=CONFIGS[name])
+        losses = _train(model, handle, data)
+        expected = reference_losses(reference, data, LR)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+        for n, value in _full(model).items():
+            torch.testing.assert_close(value, reference.get_parameter(n), rtol=1e-5, atol=1e-6)
+
+    @SIZES
+    def test_leaf_blocks_match(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        zpartition.set_z3_leaf_modules(model, [Block])
+        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        assert {u.name for u in handle.units} == {"<root>", "embed", "blocks.0", "blocks.1", "blocks.2", "norm"}
+        data = batches(3, 4)
+        torch.testing.assert_close(
+            _train(model, handle, data), reference_losses(reference, data, LR), rtol=1e-5, atol=1e-6
+        )
+
+    @SIZES
+    def test_gradient_accumulation(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        shards = handle.shard_parameters()
+        rank = zcomm.get_rank()
+        for tokens in batches(2, 4 * world_size):
+            model(tokens.chunk(world_size)[rank]).backward()
+            reference(tokens).backward()
+        full = {p.ds_id: p for p in model.parameters()}
+        for (n, ref), p in zip(reference.named_parameters(), full.values(), strict=True):
+            chunk = p.ds_tensor.numel()
+            flat = torch.nn.functional.pad(ref.grad.reshape(-1), (0, chunk * world_size - ref.numel()))
+            torch.testing.assert_close(p.ds_tensor.grad, flat[rank * chunk : (rank + 1) * chunk], msg=n)
+        assert all(s.grad is not None for s in shards)
+
+
+class TestStorageAndStatus(DistributedTest):
+    @SIZES
+    def test_each_rank_keeps_ceil_numel_over_world(self, world_size: int) -> None:
+        model = TinyGPT()
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        zpartition.partition(model, config=CONFIGS["per-module"])
+        for n, p in model.named_parameters():
+            assert p.ds_tensor.shape == (math.ceil(shapes[n].numel() / world_size),)
+            assert p.ds_shape == shapes[n] and p.ds_numel == shapes[n].numel()
+            assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0
+            assert zpartition.is_zero_param(p) and not p.ds_persist
+
+    @SIZES
+    def test_statuses_around_forward_and_backward(self, world_size: int) -> None:
+        model = TinyGPT()
+        zpartition.partition(model, config=ZeroParamConfig(param_persistence_threshold=48, max_reuse_distance=0))
+        seen: list[str] = []
+
+        def check(module: nn.Module, args: object) -> None:
+            for p in module.parameters(recurse=False):
+                if p.ds_status is not ZeroParamStatus.AVAILABLE or p.shape != p.ds_shape:
+                    seen.append(f"{type(module).__name__}: {p.ds_summary()}")
+
+        for m in model.modules():
+            m.register_forward_pre_hook(check)
+        for _ in range(2):
+            loss = model(batches(1, 2)[0])
+            self._expect_released(model)
+            loss.backward()
+            self._expect_released(model)
+        assert not seen
+
+    @staticmethod
+    def _expect_released(model: nn.Module) -> None:
+        for p in model.parameters():
+            if p.ds_persist:
+                assert p.ds_status is ZeroParamStatus.AVAILABLE and p.shape == p.ds_shape
+            else:
+                assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0, p.ds_summary()
+                assert not p.ds_active_sub_modules
+
+    @SIZES
+    def test_persistence_bounded_by_model_threshold(self, world_size: int) -> None:
+        model = TinyGPT()
+        zpartition.partition(
+            model, config=ZeroParamConfig(param_persistence_threshold=10**6, model_persistence_threshold=600)
+        )
+        persistent = [p for p in model.parameters() if p.ds_persist]
+        assert 0 < sum(p.ds_numel for p in persistent) <= 600
+        assert all(p.ds_status is ZeroParamStatus.AVAILABLE for p in persistent)
+
+
+class TestCoordinator(DistributedTest):
+    @SIZES
+    def test_live_parameters_never_exceed_the_limit(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT(blocks=4)
+        largest = max(p.numel() for p in model.parameters()) + 3 * 16
+        limit = 2 * largest
+        config = ZeroParamConfig(param_persistence_threshold=0, max_live_parameters=limit, prefetch_bucket_size=limit)
+        handle = zpartition.partition(model, config=config)
+        _train(model, handle, batches(3, 4))
+        assert handle.peak_live_numel <= limit
+        assert handle.peak_live_numel >= largest - 3 * 16
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_prefetch_follows_the_trace_and_eval_keeps_it(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        _train(model, handle, batches(2, 4))
+        model.eval()
+        with torch.no_grad():
+            model(batches(1, 2)[0])
+        model.train()
+        _train(model, handle, batches(2, 4))
+        assert handle.coordinator.invalidations == 0
+        assert len(handle.coordinator._traces) == 2
+
+    @SIZES
+    def test_a_new_order_warns_once_and_keeps_working(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        data = batches(4, 4)
+        losses = []
+        for i, tokens in enumerate(data):
+            blocks = model.blocks
+            model.blocks = nn.ModuleList(reversed(blocks)) if i == 2 else blocks
+            losses.append(_train(model, handle, [tokens])[0])
+            model.blocks = blocks
+            ref_blocks = reference.blocks
+            reference.blocks = nn.ModuleList(reversed(ref_blocks)) if i == 2 else ref_blocks
+            expected = reference_losses(reference, [tokens], LR)[0]
+            reference.blocks = ref_blocks
+            assert losses[-1] == pytest.approx(expected, rel=1e-5)
+        assert handle.coordinator.invalidations >= 1
+        assert handle.coordinator._warned
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        return self.b(x if skip else self.a(x))
+
+
+class Stash(nn.Module):
+    """Uses a child's weight through a plain list, which no hook can see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.stash = [self.lin.weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.stash[0].t()
+
+
+class TestErrors(DistributedTest):
+    @pytest.mark.parametrize("world_size", [2, 4])
+    def test_ranks_running_different_modules_raise_on_every_rank(self, world_size: int) -> None:
+        model = Branchy()
+        zpartition.partition(model, config=CONFIGS["per-module"])
+        rank = zcomm.get_rank()
+        model(torch.ones(2, 4), skip=False).sum().backward()  # all ranks alike: fine
+        with pytest.raises(ZeroParamError) as caught:
+            model(torch.ones(2, 4), skip=rank == 1).sum().backward()
+        message = str(caught.value)
+        assert "rank 1" in message and "module 'a'" in message and "module 'b'" in message
+        assert "'a.weight'" in message
+
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_parameter_used_while_unavailable_is_named(self, world_size: int) -> None:
+        model = Stash()
+        zpartition.partition(model, config=CONFIGS["per-module"])
+        with pytest.raises(ZeroParamError, match=r"rank \d: module '<root>'.*'lin.weight'.*not available"):
+            model(torch.ones(2, 4))
+
+    @pytest.mark.parametrize("world_size", [1])
+    def test_bad_arguments(self, world_size: int) -> None:
+        with pytest.raises(TypeError, match="nn.Module"):
+            zpartition.partition("model")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="max_live_parameters must be >= 0"):
+            ZeroParamConfig(max_live_parameters=-1)
+        with pytest.raises(TypeError, match="prefetch_bucket_size must be an integer"):
+            ZeroParamConfig(prefetch_bucket_size="big")  # type: ignore[arg-type]
+        assert ZeroParamConfig(param_persistence_threshold=1e5).param_persistence_threshold == 100_000  # type: ignore[arg-type]
