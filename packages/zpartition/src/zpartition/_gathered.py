@@ -47,11 +47,15 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
         self._user = next_module_id()  # holds the units for this block only
+        # With one rank the full data *is* the shard, so edits must be undone by hand.
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
         if not self.params:
             return
-        gather_now(self.params, self._user)
+        units = gather_now(self.params, self._user)
+        if self.modifier_rank is None:
+            self._saved = [(u.shard, u.shard.clone()) for u in units if u.full is u.shard]
         if self.fwd_module is not None:
             for p in self.params:
                 register_external_parameter(self.fwd_module, p)
@@ -66,6 +70,9 @@ class GatheredParameters:
             return
         if self.modifier_rank is not None and exc_type is None:
             self._keep_changes(self.modifier_rank)
+        for shard, saved in self._saved:
+            shard.copy_(saved)
+        self._saved = []
         release_now(self.params, self._user)
 
     def _keep_changes(self, modifier_rank: int) -> None:

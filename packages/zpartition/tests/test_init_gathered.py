@@ -1,0 +1,160 @@
+"""Init (partition while building) and GatheredParameters (full parameters in a block)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zcomm
+import zpartition
+from zcomm.testing import DistributedTest
+from zpartition import GatheredParameters, ZeroParamConfig, ZeroParamStatus
+
+from ._models import TinyGPT, batches, reference_losses
+
+SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
+
+
+class Outer(nn.Module):
+    """Builds a child inside its __init__ and reads its own parameter there (full, not yet cut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 5)
+        self.scale = nn.Parameter(torch.randn(5, 3))
+        self.seen_in_init = self.scale.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) @ self.scale
+
+
+def _build_on_rank0_values(factory: type[nn.Module]) -> nn.Module:
+    """What every rank's partitioned values must equal: rank 0's build with the same seed."""
+    torch.manual_seed(1234)
+    return factory()
+
+
+class TestInit(DistributedTest):
+    @SIZES
+    def test_parameters_are_cut_as_modules_are_built(self, world_size: int) -> None:
+        expected = _build_on_rank0_values(Outer)
+        torch.manual_seed(1234 + zcomm.get_rank())  # ranks draw different values...
+        with zpartition.Init():
+            model = Outer()
+        assert model.seen_in_init == 15  # ...parents see full parameters in their __init__
+        for p, ref in zip(model.parameters(), expected.parameters(), strict=True):
+            assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0
+            assert p.ds_tensor.numel() == math.ceil(ref.numel() / world_size)
+        with GatheredParameters(list(model.parameters())):  # ...and all keep rank 0's
+            for p, ref in zip(model.parameters(), expected.parameters(), strict=True):
+                torch.testing.assert_close(p.data, ref.data)
+        assert Outer.__init__.__name__ == "__init__" and not hasattr(Outer.__init__, "__wrapped__")
+
+    @SIZES
+    def test_trains_like_the_unpartitioned_model(self, world_size: int) -> None:
+        reference = _build_on_rank0_values(TinyGPT)
+        torch.manual_seed(1234)
+        with zpartition.Init():
+            model = TinyGPT()
+        handle = zpartition.partition(model, config=ZeroParamConfig(param_persistence_threshold=0))
+        data = batches(3, 8)
+        rank, world = zcomm.get_rank(), zcomm.get_world_size()
+        opt = torch.optim.SGD(handle.shard_parameters(), lr=0.1)
+        losses = []
+        for tokens in data:
+            loss = model(tokens.chunk(world)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            zcomm.all_reduce(loss := loss.detach().clone(), op=zcomm.ReduceOp.AVG)
+            losses.append(loss.item())
+        torch.testing.assert_close(losses, reference_losses(reference, data, 0.1), rtol=1e-5, atol=1e-6)
+
+    @SIZES
+    def test_nested_disabled_dtype_and_remote_device(self, world_size: int) -> None:
+        with zpartition.Init(enabled=False):
+            plain = nn.Linear(3, 3)
+        assert not zpartition.is_zero_param(plain.weight) and plain.weight.shape == (3, 3)
+        with zpartition.Init(dtype=torch.bfloat16, remote_device="cpu"):
+            with zpartition.Init():
+                nested = nn.Linear(3, 3)
+            after = nn.Linear(3, 3)
+        for p in (*nested.parameters(), *after.parameters()):
+            assert zpartition.is_zero_param(p)
+        assert after.weight.ds_tensor.dtype == torch.bfloat16
+        assert after.weight.ds_tensor.device.type == "cpu"
+        with zpartition.Init(config_dict_or_path={"fp16": {"enabled": True}}):
+            half = nn.Linear(3, 3)
+        assert half.weight.ds_tensor.dtype == torch.float16
+        late = nn.Linear(2, 2)  # after the context: plain again
+        assert not zpartition.is_zero_param(late.weight)
+
+    @SIZES
+    def test_module_argument_partitions_a_built_model(self, world_size: int) -> None:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        zpartition.Init(module=model)
+        assert all(zpartition.is_zero_param(p) for p in model.parameters())
+
+    @pytest.mark.parametrize("world_size", [1])
+    def test_bad_remote_device(self, world_size: int) -> None:
+        with pytest.raises(ValueError, match="remote_device='nvme'"):
+            zpartition.Init(remote_device="nvme")
+
+
+class TestGatheredParameters(DistributedTest):
+    @SIZES
+    def test_modifier_rank_changes_are_kept_everywhere(self, world_size: int) -> None:
+        model = nn.Linear(5, 3)
+        zpartition.partition(model, config=ZeroParamConfig(param_persistence_threshold=0))
+        modifier = world_size - 1
+        with GatheredParameters(model.weight, modifier_rank=modifier):
+            assert model.weight.shape == (3, 5)
+            if zcomm.get_rank() == modifier:
+                model.weight.data.fill_(7.0)
+        assert model.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        with GatheredParameters(model.parameters()):
+            assert torch.equal(model.weight.data, torch.full((3, 5), 7.0))
+        out = model(torch.ones(1, 5))
+        assert out.shape == (1, 3)
+
+    @SIZES
+    def test_without_modifier_changes_are_dropped(self, world_size: int) -> None:
+        model = nn.Linear(5, 3)
+        zpartition.partition(model, config=ZeroParamConfig(param_persistence_threshold=0))
+        with GatheredParameters(model.weight):
+            before = model.weight.data.clone()
+            model.weight.data.add_(1.0)
+        with GatheredParameters(model.weight):
+            assert torch.equal(model.weight.data, before)
+
+    @SIZES
+    def test_disabled_empty_and_unpartitioned(self, world_size: int) -> None:
+        model = nn.Linear(5, 3)
+        plain = nn.Linear(2, 2)
+        zpartition.partition(model, config=ZeroParamConfig(param_persistence_threshold=0))
+        with GatheredParameters(model.weight, enabled=False):
+            assert model.weight.numel() == 0
+        with GatheredParameters([]), GatheredParameters(plain.parameters()):
+            pass
+        with GatheredParameters(model.weight, fwd_module=model):
+            assert model.weight.ds_id in model._external_params
+        with pytest.raises(TypeError, match="not a ZeRO-3 parameter"):
+            zpartition._gather.gather_now([plain.weight])
+
+
+class TestAllGatherPartition(DistributedTest):
+    @SIZES
+    def test_param_all_gather_and_partition(self, world_size: int) -> None:
+        model = nn.Linear(4, 4)
+        zpartition.Init(module=model)
+        model.weight.all_gather()
+        assert model.weight.ds_status is ZeroParamStatus.AVAILABLE and model.weight.shape == (4, 4)
+        summary = model.weight.ds_summary()
+        assert summary["status"] == "AVAILABLE" and summary["ds_numel"] == 16
+        model.weight.partition()
+        assert model.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE and model.weight.numel() == 0
+        copy.deepcopy(model)  # partitioned modules still copy
