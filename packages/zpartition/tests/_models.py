@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -35,7 +37,9 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.norm(x) @ self.embed.weight.t() + self.bias
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1, dims=1).flatten())
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), tokens.roll(1, dims=1).flatten()
+        )
 
 
 def batches(steps: int, batch: int, seed: int = 1) -> list[torch.Tensor]:
@@ -53,3 +57,9 @@ def reference_losses(model: nn.Module, data: list[torch.Tensor], lr: float) -> l
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def externals(module: nn.Module) -> dict[int, Any]:
+    """``module._external_params`` (typed: nn.Module's __getattr__ hides it from mypy)."""
+    found: dict[int, Any] = module.__dict__.get("_external_params", {})
+    return found

@@ -16,6 +16,8 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig, ZeroParamStatus
 
+from ._models import externals
+
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 CONFIG = ZeroParamConfig(param_persistence_threshold=1)  # the seed's: almost nothing persists
 
@@ -78,9 +80,9 @@ class DanglingExt(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out = self.container(input)
-        assert len(self._external_params) == 0  # the right level of the stack holds it
-        assert len(self.container._external_params) == 1
-        assert len(self.container.dangler._external_params) == 0
+        assert len(externals(self)) == 0  # the right level of the stack holds it
+        assert len(externals(self.container)) == 1
+        assert len(externals(self.container.dangler)) == 0
         return out
 
 
@@ -89,6 +91,7 @@ def _step(model: nn.Module, handle: zpartition.Partitioned, x: torch.Tensor) -> 
     loss.backward()
     with torch.no_grad():
         for shard in handle.shard_parameters():
+            assert shard.grad is not None
             shard -= 0.01 * shard.grad
             shard.grad = None
     return float(loss)
@@ -99,7 +102,8 @@ def _plain_step(model: nn.Module, x: torch.Tensor) -> float:
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
-            p -= 0.01 * p.grad
+            assert p.grad is not None
+            p.sub_(0.01 * p.grad)
             p.grad = None
     return float(loss)
 
@@ -127,8 +131,8 @@ class TestReturnedParameters(DistributedTest):
         for step in range(5):
             x = torch.rand(16)
             assert _step(net, handle, x) == pytest.approx(_plain_step(reference, x), rel=1e-5)
-            assert len(net._external_params) == 1, step
-            assert len(net.dangler._external_params) == 0
+            assert len(externals(net)) == 1, step
+            assert len(externals(net.dangler)) == 0
 
 
 @dataclasses.dataclass
@@ -175,7 +179,9 @@ def _loss_of(out: Any) -> torch.Tensor | None:
 
 class TestOutputTypes(DistributedTest):
     @SIZES
-    @pytest.mark.parametrize("kind", ["tensor", "tuple", "list", "dict", "dataclass", "object", "none"])
+    @pytest.mark.parametrize(
+        "kind", ["tensor", "tuple", "list", "dict", "dataclass", "object", "none"]
+    )
     def test_outputs_pass_through_and_backward_works(self, world_size: int, kind: str) -> None:
         torch.manual_seed(0)
         net = VariableOutput(kind)
@@ -195,8 +201,12 @@ class TestOutputTypes(DistributedTest):
             rank = zcomm.get_rank()
             for p, ref in zip(net.parameters(), reference.parameters(), strict=True):
                 chunk = p.ds_tensor.numel()
-                flat = nn.functional.pad(ref.grad.reshape(-1), (0, chunk * world_size - ref.numel()))
-                torch.testing.assert_close(p.ds_tensor.grad, flat[rank * chunk : (rank + 1) * chunk])
+                flat = nn.functional.pad(
+                    ref.grad.reshape(-1), (0, chunk * world_size - ref.numel())
+                )
+                torch.testing.assert_close(
+                    p.ds_tensor.grad, flat[rank * chunk : (rank + 1) * chunk]
+                )
             for shard in handle.shard_parameters():
                 shard.grad = None
             reference.zero_grad()
@@ -224,11 +234,13 @@ class TestTiedAndRead(DistributedTest):
         net = Tied()
         reference = copy.deepcopy(net)
         handle = zpartition.partition(net, config=ZeroParamConfig(param_persistence_threshold=0))
-        assert list(net.head._external_params) == [net.embed.weight.ds_id]
+        assert list(externals(net.head)) == [net.embed.weight.ds_id]
         tokens = torch.randint(0, 10, (4, 5))
         for _ in range(3):
-            assert _step(net, handle, tokens) == pytest.approx(_plain_step(reference, tokens), rel=1e-5)
-        assert net.embed.weight.ds_id in net._external_params  # read through net.embed.weight
+            assert _step(net, handle, tokens) == pytest.approx(
+                _plain_step(reference, tokens), rel=1e-5
+            )
+        assert net.embed.weight.ds_id in externals(net)  # read through net.embed.weight
 
     @SIZES
     def test_register_external_parameter(self, world_size: int) -> None:
@@ -240,7 +252,7 @@ class TestTiedAndRead(DistributedTest):
         net(torch.randint(0, 10, (2, 3)))
         assert seen == [ZeroParamStatus.AVAILABLE]
         zpartition.unregister_external_parameter(net.proj, net.embed.weight)
-        assert net.embed.weight.ds_id not in net.proj._external_params
+        assert net.embed.weight.ds_id not in externals(net.proj)
         with pytest.raises(ValueError, match="not registered"):
             zpartition.unregister_external_parameter(net.proj, net.embed.weight)
         with pytest.raises(TypeError, match="ZeRO-3 parameter"):

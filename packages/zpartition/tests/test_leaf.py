@@ -119,7 +119,7 @@ def test_delegating_wrapper_does_not_report_the_wrapped_mark() -> None:
 def test_z3_leaf_parameter() -> None:
     p = nn.Parameter(torch.ones(2))
     assert not z3_leaf_parameter(p)
-    p.ds_z3_leaf_module = nn.Linear(1, 1)  # type: ignore[attr-defined]
+    p.ds_z3_leaf_module = nn.Linear(1, 1)
     assert z3_leaf_parameter(p)
 
 
@@ -342,7 +342,7 @@ def test_modules_without_parameters_are_skipped(caplog) -> None:
 
 def test_partitioned_parameters_are_measured_by_ds_numel(model: Model) -> None:
     for p in model.parameters():
-        p.ds_numel = p.numel()  # type: ignore[attr-defined]
+        p.ds_numel = p.numel()
         p.data = torch.empty(0)  # as after partitioning
     assert ids(leaf_modules_by_granularity(model, BLOCK_G)) == ids(list(model.blocks))
 

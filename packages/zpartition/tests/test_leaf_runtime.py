@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import pytest
 import torch
@@ -56,7 +57,9 @@ class Moe(nn.Module):
 class TestLeafModules(DistributedTest):
     @SIZES
     @pytest.mark.parametrize("inner", [ChooseByRank, ChooseByCounter])
-    def test_children_may_differ_by_rank_and_step(self, world_size: int, inner: type[nn.Module]) -> None:
+    def test_children_may_differ_by_rank_and_step(
+        self, world_size: int, inner: type[nn.Module]
+    ) -> None:
         torch.manual_seed(0)
         model = Moe(inner)
         reference = copy.deepcopy(model)
@@ -71,27 +74,36 @@ class TestLeafModules(DistributedTest):
             opt.step()
             opt.zero_grad()
             if isinstance(model.moe, ChooseByCounter):
-                reference.moe.calls = model.moe.calls - 1
+                cast(ChooseByCounter, reference.moe).calls = model.moe.calls - 1
             ref_loss = reference(x)  # every rank's reference takes this rank's expert
             ref_loss.backward()
             assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
             params = list(reference.parameters())
-            total = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            total = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in params
+                ]
+            )
             zcomm.all_reduce(total, op=zcomm.ReduceOp.AVG)  # what the ranks' shards receive
             offset = 0
             with torch.no_grad():
                 for p in params:
-                    p -= 0.1 * total[offset : offset + p.numel()].view_as(p)
+                    p.sub_(0.1 * total[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
             reference.zero_grad()
 
     @SIZES
     @pytest.mark.parametrize("threshold", [0, 100, 12100, 10**7])
-    def test_granularity_thresholds_give_the_same_losses(self, world_size: int, threshold: int) -> None:
+    def test_granularity_thresholds_give_the_same_losses(
+        self, world_size: int, threshold: int
+    ) -> None:
         torch.manual_seed(0)
         model = TinyGPT()
         reference = copy.deepcopy(model)
-        config = ZeroParamConfig(param_persistence_threshold=0, module_granularity_threshold=threshold)
+        config = ZeroParamConfig(
+            param_persistence_threshold=0, module_granularity_threshold=threshold
+        )
         handle = zpartition.partition(model, config=config)
         leaves = zpartition.get_z3_leaf_modules(model)
         assert bool(leaves) == (threshold >= 12100)
@@ -106,4 +118,6 @@ class TestLeafModules(DistributedTest):
             opt.zero_grad()
             zcomm.all_reduce(loss := loss.detach().clone(), op=zcomm.ReduceOp.AVG)
             losses.append(loss.item())
-        torch.testing.assert_close(losses, reference_losses(reference, data, 0.1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            losses, reference_losses(reference, data, 0.1), rtol=1e-5, atol=1e-6
+        )

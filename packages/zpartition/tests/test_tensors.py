@@ -23,7 +23,7 @@ def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def zero_param(ds_id: int = 0) -> nn.Parameter:
     p = nn.Parameter(torch.arange(3.0))
-    p.ds_id = ds_id  # type: ignore[attr-defined]
+    p.ds_id = ds_id
     return p
 
 
@@ -49,7 +49,7 @@ def test_is_zero_param() -> None:
     assert not is_zero_param(nn.Parameter(torch.ones(1)))
     assert not is_zero_param(torch.ones(1))
     plain = torch.ones(1)
-    plain.ds_id = 4  # type: ignore[attr-defined]
+    plain.ds_id = 4
     assert is_zero_param(plain)  # any tensor carrying ds_id
 
 
@@ -108,7 +108,7 @@ def test_zero_param_gets_an_alias_when_replaced() -> None:
     p = zero_param(ds_id=7)
     out = apply_to_tensors_only(double, (p,))
     assert not is_zero_param(out[0])
-    assert out[0].ds_param_alias is p  # type: ignore[attr-defined]
+    assert out[0].ds_param_alias is p
 
 
 def test_no_alias_when_the_param_comes_back_or_for_plain_tensors() -> None:

@@ -1,4 +1,5 @@
-"""The knobs of ZeRO-3 parameter handling, under DeepSpeed's names without ``stage3_``."""
+"""The knobs of ZeRO-3 parameter handling, under DeepSpeed's names without ``stage3_``
+(``reduce_bucket_size`` has none in DeepSpeed either)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class ZeroParamConfig:
     """At most this many elements gathered at once (the running module's always are)."""
     max_reuse_distance: int = 1_000_000_000
     """A parameter used again within this many gathered elements is kept, not released."""
+    reduce_bucket_size: int = 500_000_000
+    """Gradients of finished modules are reduce-scattered together once this many wait."""
     module_granularity_threshold: int = 0
     """Modules whose parameters per layer are at most this become leaves (0: none)."""
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from zpartition._channel import Channel, Kind
 from zpartition._config import ZeroParamConfig
 from zpartition._status import ZeroParamStatus
-from zpartition._unit import Unit
+from zpartition._unit import Unit, issue_gathers
 
 __all__ = ["Coordinator"]
 
@@ -132,8 +132,7 @@ class Coordinator:
 
     def _gather(self, units: list[Unit]) -> None:
         self.channel.agree(Kind.GATHER, [u.uid for u in units])
-        for u in units:
-            u.issue_gather()
+        issue_gathers(units)
 
     # -- following the plan ----------------------------------------------------------------
 

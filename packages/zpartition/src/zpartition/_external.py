@@ -22,7 +22,7 @@ __all__ = ["ParamDict", "register_external_parameter", "unregister_external_para
 _NOT_AVAILABLE = ZeroParamStatus.NOT_AVAILABLE
 
 
-def _externals(module: nn.Module) -> dict[int, nn.Parameter]:
+def _externals(module: nn.Module) -> dict[int, torch.Tensor]:
     found = module.__dict__.get("_external_params")
     if found is None:
         found = {}
@@ -36,7 +36,7 @@ def _changed(module: nn.Module) -> None:
         on_change()
 
 
-def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
     """Gather `parameter` whenever `module` runs, though another module owns it."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"register_external_parameter: module must be an nn.Module, got {module!r}")
@@ -51,7 +51,7 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
         _changed(module)
 
 
-def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+def unregister_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
     """Undo `register_external_parameter`; an unknown pair is an error."""
     externals = _externals(module)
     if not hasattr(parameter, "ds_id") or parameter.ds_id not in externals:
@@ -73,7 +73,7 @@ class ParamDict(dict[str, Any]):
 
     __slots__ = ("on_read",)
 
-    def __init__(self, items: dict[str, Any], on_read: Callable[[nn.Parameter], None]) -> None:
+    def __init__(self, items: dict[str, Any], on_read: Callable[[Any], None]) -> None:
         super().__init__(items)
         self.on_read = on_read  # the partitioned model's reader; it knows what is running
 

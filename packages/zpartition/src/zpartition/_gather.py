@@ -8,11 +8,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zpartition._channel import Channel, Kind
+from zpartition._param import ZeroParameter
 from zpartition._status import ZeroParamStatus
-from zpartition._unit import Unit
+from zpartition._unit import Unit, issue_gathers
 
 __all__ = ["EXPLICIT", "channel_for", "gather_now", "new_unit", "release_now"]
 
@@ -21,6 +21,8 @@ __all__ = ["EXPLICIT", "channel_for", "gather_now", "new_unit", "release_now"]
 EXPLICIT = -1
 
 _channels: dict[object, Channel] = {}  # keyed by group (None: the world); one per group
+
+
 def channel_for(group: dist.ProcessGroup | None) -> Channel:
     """The channel of `group`, made on first use (every rank of the group gets the same one)."""
     key = group if group is not None else dist.group.WORLD  # a new world gets new channels
@@ -33,14 +35,14 @@ def channel_for(group: dist.ProcessGroup | None) -> Channel:
 
 
 def new_unit(
-    uid: int, name: str, params: Sequence[nn.Parameter], channel: Channel, device: torch.device
+    uid: int, name: str, params: Sequence[ZeroParameter], channel: Channel, device: torch.device
 ) -> Unit:
     unit = Unit(uid, name, params, channel, device=device)
     channel.units[uid] = unit
     return unit
 
 
-def _units_of(params: Iterable[nn.Parameter]) -> list[Unit]:
+def _units_of(params: Iterable[ZeroParameter]) -> list[Unit]:
     found: dict[int, Unit] = {}
     for p in params:
         unit = getattr(p, "ds_unit", None)
@@ -53,7 +55,7 @@ def _units_of(params: Iterable[nn.Parameter]) -> list[Unit]:
     return [found[k] for k in sorted(found)]  # the same order on every rank
 
 
-def gather_now(params: Iterable[nn.Parameter], user: int = EXPLICIT) -> list[Unit]:
+def gather_now(params: Iterable[ZeroParameter], user: int = EXPLICIT) -> list[Unit]:
     """Gather the units holding `params` (all of them: a unit moves whole) and keep them."""
     units = _units_of(params)
     for u in units:
@@ -65,15 +67,14 @@ def gather_now(params: Iterable[nn.Parameter], user: int = EXPLICIT) -> list[Uni
         by_channel.setdefault(id(u.channel), []).append(u)
     for batch in by_channel.values():
         batch[0].channel.agree(Kind.GATHER, [u.uid for u in batch])
-        for u in batch:
-            u.issue_gather()
+        issue_gathers(batch)
     for u in units:
         u.wait()
         u.users.add(user)
     return units
 
 
-def release_now(params: Iterable[nn.Parameter], user: int = EXPLICIT) -> None:
+def release_now(params: Iterable[ZeroParameter], user: int = EXPLICIT) -> None:
     """Drop `user`'s hold on the units of `params`; release those nobody else holds."""
     for u in _units_of(params):
         u.users.discard(user)

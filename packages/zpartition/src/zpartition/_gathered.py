@@ -12,17 +12,17 @@ import zcomm
 from zpartition._channel import Kind
 from zpartition._external import register_external_parameter
 from zpartition._gather import gather_now, release_now
-from zpartition._param import next_module_id
+from zpartition._param import ZeroParameter, next_module_id, zero_params
 
 __all__ = ["GatheredParameters"]
 
 
-def _zero_params(params: nn.Parameter | Iterable[nn.Parameter] | None) -> list[nn.Parameter]:
+def _zero_params(params: torch.Tensor | Iterable[torch.Tensor] | None) -> list[ZeroParameter]:
     if params is None:
         return []
     if isinstance(params, torch.Tensor):
         params = [params]
-    unique = {p.ds_id: p for p in params if hasattr(p, "ds_id")}
+    unique = {p.ds_id: p for p in zero_params(params) if hasattr(p, "ds_id")}
     return [unique[k] for k in sorted(unique)]  # one order on every rank
 
 
@@ -38,7 +38,7 @@ class GatheredParameters:
 
     def __init__(
         self,
-        params: nn.Parameter | Iterable[nn.Parameter] | None,
+        params: torch.Tensor | Iterable[torch.Tensor] | None,
         modifier_rank: int | None = None,
         fwd_module: nn.Module | None = None,
         enabled: bool = True,
@@ -77,7 +77,9 @@ class GatheredParameters:
 
     def _keep_changes(self, modifier_rank: int) -> None:
         """Broadcast the modifier's full values and write this rank's chunk into the shard."""
-        channel = self.params[0].ds_unit.channel
+        unit = self.params[0].ds_unit
+        assert unit is not None  # partitioned parameters always have one
+        channel = unit.channel
         channel.agree(Kind.BROADCAST, [p.ds_id for p in self.params])
         src = (
             torch.distributed.get_global_rank(channel.group, modifier_rank)

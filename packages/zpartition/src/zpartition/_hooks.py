@@ -8,9 +8,11 @@ them and its children none. Per module and pass:
   of the module that consumes them); when grad is on, put a pre-hook on the ``grad_fn`` of each
   output tensor (it fetches the units again before the module's backward runs); release;
 - on each trainable parameter, a post-accumulate-grad hook counts arrivals; when a unit's last
-  gradient arrived its backward is over: reduce-scatter the gradients, release;
-- at the end of backward (an autograd engine callback): reduce what is left (parameters that got
-  no gradient contribute zeros), agree across ranks that the pass ended alike, release all.
+  gradient arrived its backward is over: queue its gradients for reduction (see _reduce.py),
+  release it;
+- at the end of backward (an autograd engine callback): queue what is left (parameters that got
+  no gradient contribute zeros), reduce the queue, agree across ranks that the pass ended
+  alike, release all.
 Outputs are walked with torch's pytree; objects it does not know are searched one level deep
 through their attributes, so dataclasses and plain objects pass through untouched.
 """
@@ -30,6 +32,8 @@ from zpartition._channel import Channel, Kind
 from zpartition._coordinator import Coordinator
 from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter, unregister_external_parameter
+from zpartition._param import ZeroParameter, zero_params
+from zpartition._reduce import keep_local, reduce_units
 from zpartition._status import ZeroParamStatus
 from zpartition._unit import Unit
 
@@ -85,6 +89,8 @@ class State:
         self.in_backward = False  # between a backward's first hook and its end callback
         self.handles: list[Any] = []  # removable hook handles
         self.units: list[Unit] = []  # every unit with trainable parameters, in order
+        self.pending: list[Unit] = []  # units whose gradients wait for a bucket to fill
+        self.pending_numel = 0
 
     # -- registration ----------------------------------------------------------------------
 
@@ -95,7 +101,8 @@ class State:
             hook = self._grad_arrived(unit)
             for p in unit.params:
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(hook))
+                    handle = p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                    self.handles.append(handle)
 
     def _install_module(self, info: ModuleInfo) -> None:
         module = info.module
@@ -160,7 +167,7 @@ class State:
     def _adopt_returned(self, info: ModuleInfo, output: Any) -> None:
         """Parameters returned from `info`'s forward become external parameters of the module
         that called it, so they stay gathered while that module uses them."""
-        returned = [t for t in _tensors(output) if hasattr(t, "ds_id")]
+        returned = zero_params(t for t in _tensors(output) if hasattr(t, "ds_id"))
         if not returned or not self.stack:
             return
         parent = self.stack[-1]
@@ -173,13 +180,14 @@ class State:
             if p.ds_unit is not None and not p.ds_unit.persistent:
                 p.ds_unit.users.add(parent.mid)  # it is gathered now: keep it for the parent
 
-    def read_while_unavailable(self, param: nn.Parameter) -> None:
+    def read_while_unavailable(self, param: ZeroParameter) -> None:
         """A partitioned parameter was read through a module's attribute while unavailable."""
         if not self.stack:
             return  # outside any forward: reading is fine, using it is the caller's business
         running = self.stack[-1]
         register_external_parameter(running.module, param)
-        self.coordinator.fetch((param.ds_unit,), running.mid)
+        if param.ds_unit is not None:
+            self.coordinator.fetch((param.ds_unit,), running.mid)
 
     # -- backward --------------------------------------------------------------------------
 
@@ -192,7 +200,7 @@ class State:
                 if grad_fn is not None:
                     grad_fn.register_prehook(fetch)
                 else:
-                    t.register_hook(fetch)
+                    t.register_hook(fetch)  # type: ignore[no-untyped-call]
 
     def _pre_backward(self, info: ModuleInfo) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -204,19 +212,33 @@ class State:
 
         return hook
 
-    def _grad_arrived(self, unit: Unit) -> Callable[[nn.Parameter], None]:
-        def hook(param: nn.Parameter) -> None:
+    def _grad_arrived(self, unit: Unit) -> Callable[[ZeroParameter], None]:
+        def hook(param: ZeroParameter) -> None:
             if not self.in_backward:
                 self._start_backward()
             unit.ready += 1
             if unit.ready == unit.trainable:
-                unit.reduce_gradients()
-                if not unit.persistent:
-                    users = list(unit.users)
-                    unit.users.clear()
-                    self.coordinator.release((unit,), users[0] if users else -2)
+                self._gradients_done(unit)
 
         return hook
+
+    def _gradients_done(self, unit: Unit) -> None:
+        """`unit`'s backward is over: queue its gradients for reduction, release it."""
+        unit.ready = 0
+        if unit.direct:
+            keep_local(unit)
+        else:
+            self.pending.append(unit)
+            self.pending_numel += unit.numel
+            if self.pending_numel >= self.coordinator.config.reduce_bucket_size:
+                self._flush()
+        if not unit.persistent:
+            unit.users.clear()
+            self.coordinator.release((unit,), -1)
+
+    def _flush(self) -> None:
+        pending, self.pending, self.pending_numel = self.pending, [], 0
+        reduce_units(pending)
 
     def _start_backward(self) -> None:
         self.in_backward = True
@@ -225,8 +247,9 @@ class State:
     def _end_backward(self) -> None:
         self.in_backward = False
         for unit in self.units:
-            if 0 < unit.ready < unit.trainable:
-                unit.reduce_gradients()  # the missing gradients count as zeros
+            if unit.ready:
+                self._gradients_done(unit)  # the missing gradients count as zeros
+        self._flush()
         self.channel.agree(Kind.END_BACKWARD, [])
         self.coordinator.release_all()
 
@@ -240,6 +263,7 @@ class State:
         self.stack.clear()
         rank = dist.get_rank() if dist.is_initialized() else 0
         for name, p in info.module.named_parameters():
+            p = zero_params([p])[0]
             if getattr(p, "ds_status", None) is _NOT_AVAILABLE and not p.ds_persist:
                 qualified = f"{info.name}.{name}" if info.name else name
                 return ZeroParamError(

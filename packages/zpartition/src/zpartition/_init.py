@@ -32,8 +32,10 @@ _saved_init_subclass: Any = None
 
 
 def _subclasses(cls: type) -> list[type]:
-    found, todo = [], [cls]
+    found: list[type] = []
+    todo = [cls]
     while todo:
+        sub: type
         for sub in todo.pop().__subclasses__():
             if sub not in found:
                 found.append(sub)
@@ -69,11 +71,11 @@ def _patch() -> None:
         _wrap(cls)
     _saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
 
-    def init_subclass(cls: type, **kwargs: Any) -> None:
+    def init_subclass(cls: type[nn.Module], /, **kwargs: Any) -> None:
         super(nn.Module, cls).__init_subclass__(**kwargs)
         _wrap(cls)  # classes defined inside the context
 
-    nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+    nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment,method-assign]
 
 
 def _unpatch() -> None:
@@ -90,11 +92,12 @@ def _config_dtype(config: dict[str, Any] | str | Path | None) -> torch.dtype | N
     """bf16 or fp16 parameters when a DeepSpeed config enables them (as DeepSpeed's Init)."""
     if config is None:
         return None
-    if not isinstance(config, dict):
-        config = json.loads(Path(config).read_text())
-    if config.get("bf16", {}).get("enabled"):
+    loaded: dict[str, Any] = (
+        config if isinstance(config, dict) else json.loads(Path(config).read_text())
+    )
+    if loaded.get("bf16", {}).get("enabled"):
         return torch.bfloat16
-    if config.get("fp16", {}).get("enabled"):
+    if loaded.get("fp16", {}).get("enabled"):
         return torch.float16
     return None
 
@@ -137,8 +140,10 @@ class Init:
                 f"Init(remote_device={remote_device!r}): expected None or 'cpu' "
                 "(NVMe parameter offload is zengine's offload_param)"
             )
-        self.remote_device = None if remote_device in (None, "none") else torch.device(
-            remote_device  # type: ignore[arg-type]
+        self.remote_device = (
+            None
+            if remote_device is None or remote_device == "none"
+            else torch.device(remote_device)
         )
         if enabled and not dist.is_initialized():
             zcomm.init_distributed()

@@ -11,14 +11,46 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from zpartition._status import ZeroParamStatus
 
-__all__ = ["convert_parameter", "next_module_id", "summary"]
+__all__ = ["ZeroParameter", "convert_parameter", "next_module_id", "summary", "zero_params"]
+
+if TYPE_CHECKING:
+    from zpartition._unit import Unit
+
+    class ZeroParameter(nn.Parameter):
+        """A Parameter with what partitioning adds, for the type checker: at run time it is the
+        same ``nn.Parameter`` object, carrying these as attributes."""
+
+        ds_id: int
+        ds_numel: int
+        ds_shape: torch.Size
+        ds_tensor: torch.Tensor
+        ds_persist: bool
+        ds_status: ZeroParamStatus
+        ds_active_sub_modules: set[int]
+        ds_unit: Unit | None
+        ds_name: str
+        ds_z3_leaf_module: nn.Module
+
+        def all_gather(self, param_list: list[ZeroParameter] | None = None) -> None: ...
+        def partition(self, param_list: list[ZeroParameter] | None = None) -> None: ...
+        def ds_summary(self) -> dict[str, Any]: ...
+
+else:
+    ZeroParameter = nn.Parameter
+
+
+def zero_params(params: Iterable[torch.Tensor]) -> list[ZeroParameter]:
+    """`params` as partitioned parameters (the caller knows they are)."""
+    return cast("list[ZeroParameter]", list(params))
+
 
 _module_ids = itertools.count()  # ids of users of units: local to this process
 
@@ -39,7 +71,7 @@ def chunk_of(data: torch.Tensor, rank: int, world: int, device: torch.device) ->
 
 
 def convert_parameter(
-    param: nn.Parameter,
+    param: ZeroParameter,
     *,
     ds_id: int,
     rank: int,
@@ -59,24 +91,26 @@ def convert_parameter(
     param.ds_active_sub_modules = set()
     param.ds_unit = None
     param.data = torch.empty(0, dtype=data.dtype, device=compute_device)
-    param.all_gather = functools.partial(_all_gather, param)
-    param.partition = functools.partial(_partition, param)
-    param.ds_summary = functools.partial(summary, param)
+    param.__dict__.update(  # bound like methods, as DeepSpeed's are
+        all_gather=functools.partial(_all_gather, param),
+        partition=functools.partial(_partition, param),
+        ds_summary=functools.partial(summary, param),
+    )
 
 
-def _all_gather(param: nn.Parameter, param_list: list[nn.Parameter] | None = None) -> None:
+def _all_gather(param: ZeroParameter, param_list: list[ZeroParameter] | None = None) -> None:
     from zpartition._gather import gather_now  # a cycle: gathering needs units, units params
 
     gather_now(param_list if param_list is not None else [param])
 
 
-def _partition(param: nn.Parameter, param_list: list[nn.Parameter] | None = None) -> None:
+def _partition(param: ZeroParameter, param_list: list[ZeroParameter] | None = None) -> None:
     from zpartition._gather import release_now
 
     release_now(param_list if param_list is not None else [param])
 
 
-def summary(param: nn.Parameter) -> dict[str, Any]:
+def summary(param: ZeroParameter) -> dict[str, Any]:
     """What DeepSpeed's ``ds_summary()`` shows: the payload of most ZeRO-3 error messages."""
     grad = param.grad
     return {

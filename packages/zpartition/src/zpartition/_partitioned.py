@@ -17,18 +17,18 @@ from zpartition._external import ParamDict
 from zpartition._gather import channel_for, new_unit
 from zpartition._hooks import ModuleInfo, State
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
-from zpartition._param import convert_parameter, next_module_id
+from zpartition._param import ZeroParameter, convert_parameter, next_module_id, zero_params
 from zpartition._unit import Unit
 
 __all__ = ["Partitioned", "convert_module", "partition"]
 
 
-def _broadcast_params(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+def _broadcast_params(params: list[ZeroParameter], group: dist.ProcessGroup | None) -> None:
     """Make `params` equal on every rank (rank 0's values): ranks built them with their own RNG."""
     if dist.get_world_size(group) == 1 or not params:
         return
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    by_dtype: dict[torch.dtype, list[ZeroParameter]] = {}
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
     for same in by_dtype.values():
@@ -47,9 +47,9 @@ def convert_module(
     recurse: bool,
     shard_device: torch.device | None = None,
     dtype: torch.dtype | None = None,
-) -> list[nn.Parameter]:
+) -> list[ZeroParameter]:
     """Partition the parameters of `module` not partitioned yet; returns them."""
-    fresh = [p for p in module.parameters(recurse=recurse) if not hasattr(p, "ds_id")]
+    fresh = zero_params(p for p in module.parameters(recurse=recurse) if not hasattr(p, "ds_id"))
     fresh = list({id(p): p for p in fresh}.values())
     _broadcast_params(fresh, group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -71,7 +71,7 @@ def _persistent(module: nn.Module, config: ZeroParamConfig) -> set[int]:
     """ds_ids of the parameters that stay gathered, in model order until the total is spent."""
     chosen: set[int] = set()
     total = 0
-    for p in module.parameters():
+    for p in zero_params(module.parameters()):
         if p.ds_numel <= config.param_persistence_threshold and (
             total + p.ds_numel <= config.model_persistence_threshold
         ):
@@ -119,7 +119,7 @@ class Partitioned:
     def shard_parameters(self) -> list[torch.Tensor]:
         """This rank's shard (``ds_tensor``) of every trainable parameter: what to optimize."""
         seen: dict[int, torch.Tensor] = {}
-        for p in self.module.parameters():
+        for p in zero_params(self.module.parameters()):
             if p.requires_grad:
                 seen.setdefault(p.ds_id, p.ds_tensor)
         return list(seen.values())
@@ -180,7 +180,7 @@ def partition(
     channel = channel_for(group)
     persistent_ids = _persistent(module, config)
     for name, p in module.named_parameters():
-        p.ds_name = name
+        p.ds_name = name  # type: ignore[attr-defined]
     infos, units = _build_units(module, channel, persistent_ids)
     persistent = _persistent_unit(module, channel, persistent_ids)
     coordinator = Coordinator(config, channel, units)
@@ -198,7 +198,7 @@ def partition(
     return Partitioned(module, config, state)
 
 
-def _device_of(params: list[nn.Parameter]) -> torch.device:
+def _device_of(params: list[ZeroParameter]) -> torch.device:
     return params[0].data.device
 
 
@@ -212,13 +212,15 @@ def _build_units(
     for name, m, leaf in _walk(module):
         if m not in needs_hooks and m is not module:  # the root begins every pass
             continue
-        params = list(m.parameters(recurse=leaf))
+        params = zero_params(m.parameters(recurse=leaf))
         mine = [p for p in params if p.ds_id not in owned and p.ds_id not in persistent_ids]
         mine = list({p.ds_id: p for p in mine}.values())
         unit = None
         mid = next_module_id()
         if mine:
-            unit = new_unit(channel.next_unit_id(), name or "<root>", mine, channel, _device_of(mine))
+            unit = new_unit(
+                channel.next_unit_id(), name or "<root>", mine, channel, _device_of(mine)
+            )
             units.append(unit)
             for p in mine:
                 owned[p.ds_id] = unit
@@ -235,13 +237,13 @@ def _build_units(
 def _subtrees_with_partitioned(module: nn.Module, persistent_ids: set[int]) -> set[nn.Module]:
     found: set[nn.Module] = set()
     for m in module.modules():
-        if any(p.ds_id not in persistent_ids for p in m.parameters()):
+        if any(p.ds_id not in persistent_ids for p in zero_params(m.parameters())):
             found.add(m)
     return found
 
 
 def _persistent_unit(module: nn.Module, channel: Any, persistent_ids: set[int]) -> Unit | None:
-    params = [p for p in module.parameters() if p.ds_id in persistent_ids]
+    params = [p for p in zero_params(module.parameters()) if p.ds_id in persistent_ids]
     if not params:
         return None
     unit = new_unit(channel.next_unit_id(), "<persistent>", params, channel, _device_of(params))
@@ -264,4 +266,4 @@ def _guard_forward(module: nn.Module, state: State) -> None:
                 raise
             raise named from error
 
-    module.forward = guarded  # type: ignore[method-assign]
+    module.forward = guarded

@@ -20,13 +20,13 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 import zcomm
 from zpartition._channel import Channel, Kind
+from zpartition._param import ZeroParameter
 from zpartition._status import ZeroParamStatus
 
-__all__ = ["Unit"]
+__all__ = ["Unit", "issue_gathers"]
 
 _ALIGN = 16  # bytes; every parameter's chunk starts aligned for any dtype's view
 _AVAILABLE, _NOT_AVAILABLE, _INFLIGHT = (
@@ -56,6 +56,50 @@ class _GradGroup:
         self.shard_grad: torch.Tensor | None = None  # this rank's gradients, one flat tensor
 
 
+class _Gather:
+    """One all-gather of several units' shards, laid side by side; each unit copies its part
+    out when it is first needed (rows are ranks, each row every unit's shard in turn)."""
+
+    __slots__ = ("_gathered", "_handle", "_ranks")
+
+    def __init__(self, handle: zcomm.Handle, gathered: torch.Tensor, ranks: int) -> None:
+        self._handle: zcomm.Handle | None = handle
+        self._gathered = gathered
+        self._ranks = ranks
+
+    def rows(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        return self._gathered.view(self._ranks, -1)
+
+
+def issue_gathers(units: Sequence[Unit]) -> None:
+    """Start the all-gather of `units` (agreed with the other ranks first) as one collective:
+    a prefetch bucket of many small modules costs one collective's latency, not one each."""
+    remote = []
+    for u in units:
+        u.channel.count_live(0 if u.persistent else u.numel)
+        if u.direct:
+            u._show()
+        else:
+            remote.append(u)
+    if not remote:
+        return
+    channel, device = remote[0].channel, remote[0].device
+    sources = [u.shard if u.shard.device == device else u.shard.to(device) for u in remote]
+    source = sources[0] if len(sources) == 1 else torch.cat(sources)
+    gathered = source.new_empty(channel.size * source.numel())
+    handle = zcomm.all_gather_into_tensor(gathered, source, group=channel.group, async_op=True)
+    gather, start = _Gather(handle, gathered, channel.size), 0
+    for u, part in zip(remote, sources, strict=True):
+        u._pending = (gather, start)
+        start += part.numel()
+        u.status = _INFLIGHT
+        for p in u.params:
+            p.ds_status = _INFLIGHT
+
+
 class Unit:
     """The parameters of one module (or a leaf module's subtree) and their storage."""
 
@@ -63,7 +107,7 @@ class Unit:
         self,
         uid: int,
         name: str,
-        params: Sequence[nn.Parameter],
+        params: Sequence[ZeroParameter],
         channel: Channel,
         *,
         device: torch.device,
@@ -76,14 +120,15 @@ class Unit:
         self.status = _NOT_AVAILABLE
         self.users: set[int] = set()  # ids of modules (and contexts) that need it gathered now
         self.persistent = False  # kept gathered all the time (never released)
-        self.handle: zcomm.Handle | None = None  # the all-gather in flight
+        self._pending: tuple[_Gather, int] | None = None  # the gather in flight, our offset
         self.numel = sum(int(p.ds_numel) for p in self.params)
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self._gathered_version = -1  # the shards' version at the last refresh
         world = channel.size
         self.chunks = [math.ceil(int(p.ds_numel) / world) for p in self.params]
         self._build_shard()
-        self._direct = world == 1 and self.shard.device == device
+        # one rank with the shard on the compute device: the shard is the full data
+        self.direct = world == 1 and self.shard.device == device
         self._build_full()
         self.empties = [torch.empty(0, dtype=p.dtype, device=device) for p in self.params]
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
@@ -117,11 +162,9 @@ class Unit:
     def _build_full(self) -> None:
         """The full buffer and each parameter's full view of it (the shard itself when direct)."""
         world = self.channel.size
-        if self._direct:
+        if self.direct:
             self.full = self.shard
-            self.views = [
-                p.ds_tensor.view(p.ds_shape) for p in self.params
-            ]  # c == n with one rank
+            self.views = [p.ds_tensor.view(p.ds_shape) for p in self.params]  # c == n with one rank
             self._copy_plan: list[tuple[torch.Tensor, int, int]] = []
             return
         starts, end = [], 0
@@ -142,35 +185,21 @@ class Unit:
 
     def issue_gather(self) -> None:
         """Start this unit's all-gather (the caller agreed on it with the other ranks)."""
-        if self._direct:
-            self.channel.count_live(self.numel if not self.persistent else 0)
-            self._show()
-            return
-        self.status = _INFLIGHT
-        for p in self.params:
-            p.ds_status = _INFLIGHT
-        channel = self.channel
-        channel.count_live(self.numel if not self.persistent else 0)
-        source = self.shard if self.shard.device == self.device else self.shard.to(self.device)
-        self._gathered = source.new_empty(channel.size * source.numel())
-        self.handle = zcomm.all_gather_into_tensor(
-            self._gathered, source, group=channel.group, async_op=channel.size > 1
-        )
+        issue_gathers([self])
 
     def wait(self) -> None:
         """Finish the gather: the full parameters are in ``param.data`` afterwards."""
         if self.status is not _INFLIGHT:
             return
-        handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.wait()
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        gather, start = pending
+        rows = gather.rows()
         self.full.untyped_storage().resize_(self._full_bytes)
-        rows = self._gathered.view(self.channel.size, -1)
         torch._foreach_copy_(
             [dst for dst, _, _ in self._copy_plan],
-            [rows[:, off : off + nbytes] for _, off, nbytes in self._copy_plan],
+            [rows[:, start + off : start + off + n] for _, off, n in self._copy_plan],
         )
-        del self._gathered
         self._show()
 
     def _show(self) -> None:
@@ -189,7 +218,7 @@ class Unit:
         for p, empty in zip(self.params, self.empties, strict=True):
             p.data = empty
             p.ds_status = _NOT_AVAILABLE
-        if not self._direct:
+        if not self.direct:
             self.full.untyped_storage().resize_(0)
         self.status = _NOT_AVAILABLE
 
@@ -198,7 +227,7 @@ class Unit:
         for persistent units, which are never released. The shards' version counter says it:
         every rank runs the same optimizer, so every rank decides alike."""
         version = self.shard._version
-        if self._direct or version == self._gathered_version:
+        if self.direct or version == self._gathered_version:
             if self.status is _NOT_AVAILABLE:
                 self._show()
             return
@@ -207,68 +236,3 @@ class Unit:
         self.issue_gather()
         self.wait()
         self._gathered_version = version
-
-    # -- gradients -------------------------------------------------------------------------
-
-    def reduce_gradients(self) -> None:
-        """Average each trainable parameter's full gradient across ranks into this rank's
-        ``ds_tensor.grad`` (accumulating) and drop the full gradient."""
-        self.ready = 0
-        if not self.grad_groups:
-            return
-        if self._direct:
-            self._keep_local_gradients()
-            return
-        self.channel.agree(Kind.REDUCE, [self.uid])
-        for group in self.grad_groups:
-            self._reduce_group(group)
-
-    def _keep_local_gradients(self) -> None:
-        for group in self.grad_groups:
-            for i in group.indices:
-                p = self.params[i]
-                grad = p.grad
-                if grad is None:
-                    continue
-                p.grad = None
-                shard = p.ds_tensor
-                if shard.grad is None:
-                    shard.grad = grad.view(-1)
-                else:
-                    shard.grad.add_(grad.view(-1))
-
-    def _reduce_group(self, group: _GradGroup) -> None:
-        world = self.channel.size
-        rows = torch.zeros(world, group.width, dtype=group.dtype, device=self.device)
-        for i, (off, chunk) in zip(group.indices, group.columns, strict=True):
-            p = self.params[i]
-            grad = p.grad
-            if grad is None:
-                continue  # an unused parameter contributes zeros, on every rank alike
-            p.grad = None
-            flat, whole = grad.reshape(-1), divmod(int(p.ds_numel), chunk)
-            block = rows[:, off : off + chunk]
-            block[: whole[0]].copy_(flat[: whole[0] * chunk].view(whole[0], chunk))
-            if whole[1]:
-                block[whole[0], : whole[1]].copy_(flat[whole[0] * chunk :])
-        mine = rows.new_empty(group.width)
-        zcomm.reduce_scatter_tensor(
-            mine, rows.view(-1), op=zcomm.ReduceOp.AVG, group=self.channel.group
-        )
-        self._accumulate(group, mine)
-
-    def _accumulate(self, group: _GradGroup, mine: torch.Tensor) -> None:
-        shards = [self.params[i].ds_tensor for i in group.indices]
-        flat = group.shard_grad
-        views_live = flat is not None and all(
-            s.grad is not None and s.grad.data_ptr() == flat[off:].data_ptr()
-            for s, (off, _) in zip(shards, group.columns, strict=True)
-        )
-        if views_live:
-            assert flat is not None
-            flat.add_(mine.to(flat.device))
-            return
-        flat = mine.to(shards[0].device) if shards else mine
-        group.shard_grad = flat
-        for s, (off, chunk) in zip(shards, group.columns, strict=True):
-            s.grad = flat[off : off + chunk]
