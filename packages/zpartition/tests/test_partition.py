@@ -223,8 +223,9 @@ class TestCoordinator(DistributedTest):
             expected = reference_losses(reference, [tokens], LR)[0]
             reference.blocks = ref_blocks
             assert losses[-1] == pytest.approx(expected, rel=1e-5)
-        assert handle.coordinator.invalidations >= 1
-        assert handle.coordinator._warned
+        if world_size > 1:  # one rank keeps no trace: gathers cost nothing to wait for
+            assert handle.coordinator.invalidations >= 1
+            assert handle.coordinator._warned
 
 
 class Branchy(nn.Module):

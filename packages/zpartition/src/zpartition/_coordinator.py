@@ -19,6 +19,8 @@ import bisect
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from zpartition._channel import Channel, Kind
 from zpartition._config import ZeroParamConfig
 from zpartition._status import ZeroParamStatus
@@ -54,7 +56,8 @@ class Coordinator:
         self.config = config
         self.channel = channel
         self.units = {u.uid: u for u in units}
-        self.prefetching = channel.size > 1  # with one rank a gather costs nothing to wait for
+        # With one rank a gather costs nothing to wait for: no trace, no prefetch, no keeping.
+        self.prefetching = channel.size > 1
         self._traces: dict[object, _Plan] = {}  # complete traces by kind of pass
         self._kind: object = None  # the kind of the pass running now
         self._recording: list[int] | None = None  # fetch order of this pass, while recording
@@ -63,6 +66,7 @@ class Coordinator:
         self._scanned = 0  # plan positions up to here were considered for prefetching
         self._ahead: dict[int, int] = {}  # units gathered for a later position: uid -> numel
         self._warned = False
+        self._keep_direct = config.max_reuse_distance > 0
         self.invalidations = 0  # how many times a plan was dropped (a metric, not an error)
 
     # -- passes ----------------------------------------------------------------------------
@@ -74,8 +78,9 @@ class Coordinator:
             self._traces[self._kind] = _Plan(self._recording, numel)
         self.release_all()
         self._kind = kind
-        self._plan = self._traces.get(kind)
-        self._recording = [] if self._plan is None else None
+        if self.prefetching:
+            self._plan = self._traces.get(kind)
+            self._recording = [] if self._plan is None else None
         self._cursor = self._scanned = 0
 
     def release_all(self) -> None:
@@ -170,6 +175,17 @@ class Coordinator:
         self._ahead.clear()
 
     def _keep(self, unit: Unit) -> bool:
+        if unit.direct:
+            # One rank: no trace; a unit shown in a forward with grad stays (if reuse and the
+            # live limit allow) until its backward is done, saving a release and a show.
+            keep = (
+                self._keep_direct
+                and torch.is_grad_enabled()
+                and self.channel.live_numel <= self.config.max_live_parameters
+            )
+            if keep:
+                self._ahead[unit.uid] = unit.numel  # evictable by _make_room
+            return keep
         plan = self._plan
         if plan is None:
             return False

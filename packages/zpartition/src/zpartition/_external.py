@@ -64,23 +64,27 @@ def unregister_external_parameter(module: nn.Module, parameter: torch.Tensor) ->
 
 
 class ParamDict(dict[str, Any]):
-    """``module._parameters`` that notices a partitioned parameter read while a forward runs.
+    """``module._parameters`` that notices a partitioned parameter read by another module.
 
     ``nn.Module.__getattr__`` looks parameters up with ``_parameters[name]``, so reading
-    ``other.weight`` from inside some forward comes here; an unavailable parameter is then
-    handed to `on_read`, which registers it on the running module and gathers it.
+    ``other.weight`` from inside some forward comes here. Unless the module running now is the
+    owner, `on_read` registers the parameter on it and holds it gathered for it: reading it
+    available is not enough, since the coordinator may release it before it is used.
     """
 
-    __slots__ = ("on_read",)
+    __slots__ = ("on_read", "owner")
 
-    def __init__(self, items: dict[str, Any], on_read: Callable[[Any], None]) -> None:
+    def __init__(
+        self, items: dict[str, Any], owner: object, on_read: Callable[[object, Any], None]
+    ) -> None:
         super().__init__(items)
+        self.owner = owner  # the module's hook record (hooks compare it with the running one)
         self.on_read = on_read  # the partitioned model's reader; it knows what is running
 
     def __getitem__(self, key: str) -> Any:
         value = dict.__getitem__(self, key)
-        if value is not None and getattr(value, "ds_status", None) is _NOT_AVAILABLE:
-            self.on_read(value)
+        if value is not None:
+            self.on_read(self.owner, value)
         return value
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -9,7 +9,7 @@ them and its children none. Per module and pass:
   output tensor (it fetches the units again before the module's backward runs); release;
 - on each trainable parameter, a post-accumulate-grad hook counts arrivals; when a unit's last
   gradient arrived its backward is over: queue its gradients for reduction (see _reduce.py),
-  release it;
+  release it (with one rank nothing moves, so no hooks: the end of backward takes gradients);
 - at the end of backward (an autograd engine callback): queue what is left (parameters that got
   no gradient contribute zeros), reduce the queue, agree across ranks that the pass ended
   alike, release all.
@@ -53,6 +53,7 @@ class ModuleInfo:
     own: Unit | None  # the unit of its own parameters (of its subtree when a leaf)
     units: tuple[Unit, ...] = ()  # own plus the units of its external parameters
     backward_pass: int = -1  # the pass in which its backward last fetched
+    pre_backward: Callable[..., None] | None = None  # its grad_fn pre-hook, made once
 
 
 def _tensors(output: Any) -> Iterator[_Tensor]:
@@ -91,13 +92,22 @@ class State:
         self.units: list[Unit] = []  # every unit with trainable parameters, in order
         self.pending: list[Unit] = []  # units whose gradients wait for a bucket to fill
         self.pending_numel = 0
+        self.late_gradients = False  # gradients taken at the end of backward (see install)
 
     # -- registration ----------------------------------------------------------------------
 
     def install(self) -> None:
         for info in self.infos.values():
             self._install_module(info)
+        # One rank, and the live limit never binds: nothing is freed or moved during backward,
+        # so gradients are taken at its end and the per-parameter hooks are not needed.
+        total = sum(u.numel for u in self.coordinator.units.values())
+        self.late_gradients = all(u.direct for u in self.units) and (
+            total <= self.coordinator.config.max_live_parameters
+        )
         for unit in self.units:
+            if self.late_gradients:
+                break
             hook = self._grad_arrived(unit)
             for p in unit.params:
                 if p.requires_grad:
@@ -106,6 +116,7 @@ class State:
 
     def _install_module(self, info: ModuleInfo) -> None:
         module = info.module
+        info.pre_backward = self._pre_backward(info)
         pre = self._begin_pass if module is self.root else None
         self.handles.append(module.register_forward_pre_hook(self._pre_forward(info, pre)))
         self.handles.append(module.register_forward_hook(self._post_forward(info)))
@@ -142,17 +153,24 @@ class State:
         return hook
 
     def _post_forward(self, info: ModuleInfo) -> Callable[[nn.Module, Any, Any], None]:
-        stack, release = self.stack, self.coordinator.release
+        stack, release, grad_enabled = self.stack, self.coordinator.release, torch.is_grad_enabled
+
+        root = info.module is self.root
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if stack and stack[-1] is info:
                 stack.pop()
             if output is not None and type(output) is not _Tensor:
                 self._adopt_returned(info, output)
-            if info.units:
-                if torch.is_grad_enabled():
+            units = info.units
+            if (units or root) and grad_enabled():
+                # the root's hook starts every backward, even when it has no units itself
+                if type(output) is _Tensor and output.grad_fn is not None:
+                    output.grad_fn.register_prehook(info.pre_backward)  # the common case
+                else:
                     self._hook_backward(info, output)
-                release(info.units, info.mid)
+            if units:
+                release(units, info.mid)
 
         return hook
 
@@ -180,19 +198,23 @@ class State:
             if p.ds_unit is not None and not p.ds_unit.persistent:
                 p.ds_unit.users.add(parent.mid)  # it is gathered now: keep it for the parent
 
-    def read_while_unavailable(self, param: ZeroParameter) -> None:
-        """A partitioned parameter was read through a module's attribute while unavailable."""
-        if not self.stack:
-            return  # outside any forward: reading is fine, using it is the caller's business
-        running = self.stack[-1]
-        register_external_parameter(running.module, param)
-        if param.ds_unit is not None:
-            self.coordinator.fetch((param.ds_unit,), running.mid)
+    def read(self, owner: ModuleInfo, param: ZeroParameter) -> None:
+        """`param`, owned by `owner`'s module, was read through its attribute; if another
+        module is running, register it there and hold it gathered for that module."""
+        stack = self.stack
+        if not stack or stack[-1] is owner:
+            return  # outside any forward (inspection), or the owner reading its own
+        running, unit = stack[-1], param.ds_unit
+        if unit is None or unit.persistent or running.mid in unit.users:
+            return
+        if param.ds_id not in running.module.__dict__.get("_external_params", {}):
+            register_external_parameter(running.module, param)
+        self.coordinator.fetch((unit,), running.mid)
 
     # -- backward --------------------------------------------------------------------------
 
     def _hook_backward(self, info: ModuleInfo, output: Any) -> None:
-        fetch = self._pre_backward(info)
+        fetch = info.pre_backward
         tensors = (output,) if type(output) is _Tensor else _tensors(output)
         for t in tensors:
             if t.requires_grad:
@@ -247,7 +269,9 @@ class State:
     def _end_backward(self) -> None:
         self.in_backward = False
         for unit in self.units:
-            if unit.ready:
+            if self.late_gradients:
+                keep_local(unit)
+            elif unit.ready:
                 self._gradients_done(unit)  # the missing gradients count as zeros
         self._flush()
         self.channel.agree(Kind.END_BACKWARD, [])

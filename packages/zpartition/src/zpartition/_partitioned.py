@@ -188,11 +188,11 @@ def partition(
     state.units = [u for u in units if u.trainable]
     if persistent is not None and persistent.trainable:
         state.units.append(persistent)
-    reader = state.read_while_unavailable
+    reader = state.read
     for info in infos.values():
         m = info.module
         if not isinstance(m._parameters, ParamDict):
-            m._parameters = ParamDict(m._parameters, reader)
+            m._parameters = ParamDict(m._parameters, info, reader)
     state.install()
     _guard_forward(module, state)
     return Partitioned(module, config, state)
