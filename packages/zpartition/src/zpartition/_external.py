@@ -75,7 +75,7 @@ class ParamDict(dict[str, Any]):
     __slots__ = ("on_read", "owner")
 
     def __init__(
-        self, items: dict[str, Any], owner: object, on_read: Callable[[object, Any], None]
+        self, items: dict[str, Any], owner: object, on_read: Callable[[Any, Any], None]
     ) -> None:
         super().__init__(items)
         self.owner = owner  # the module's hook record (hooks compare it with the running one)

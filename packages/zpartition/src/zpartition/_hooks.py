@@ -43,6 +43,10 @@ _Tensor = torch.Tensor
 _NOT_AVAILABLE = ZeroParamStatus.NOT_AVAILABLE
 
 
+def _not_installed(*_: Any) -> None:
+    raise AssertionError("zpartition: a module's backward hook ran before its hooks were installed")
+
+
 @dataclasses.dataclass(eq=False)
 class ModuleInfo:
     """What the hooks of one module need, found once at registration."""
@@ -53,7 +57,7 @@ class ModuleInfo:
     own: Unit | None  # the unit of its own parameters (of its subtree when a leaf)
     units: tuple[Unit, ...] = ()  # own plus the units of its external parameters
     backward_pass: int = -1  # the pass in which its backward last fetched
-    pre_backward: Callable[..., None] | None = None  # its grad_fn pre-hook, made once
+    pre_backward: Callable[..., None] = _not_installed  # its grad_fn pre-hook, made once
 
 
 def _tensors(output: Any) -> Iterator[_Tensor]:
