@@ -47,6 +47,27 @@ def batches(steps: int, batch: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
 
 
+def train_partitioned(
+    model: nn.Module, shards: list[torch.Tensor], data: list[torch.Tensor], lr: float
+) -> list[float]:
+    """Each rank trains on its slice of every global batch, with SGD over its `shards`;
+    returns the global mean losses (what `reference_losses` gives for the whole batches)."""
+    import zcomm  # the reference trainer below runs without a world
+
+    rank, world = zcomm.get_rank(), zcomm.get_world_size()
+    opt = torch.optim.SGD(shards, lr=lr)
+    losses = []
+    for tokens in data:
+        loss = model(tokens.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        zcomm.all_reduce(mean, op=zcomm.ReduceOp.AVG)
+        losses.append(mean.item())
+    return losses
+
+
 def reference_losses(model: nn.Module, data: list[torch.Tensor], lr: float) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []

@@ -14,7 +14,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig
 
-from ._models import TinyGPT, batches, reference_losses
+from ._models import TinyGPT, batches, reference_losses, train_partitioned
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 
@@ -107,17 +107,8 @@ class TestLeafModules(DistributedTest):
         handle = zpartition.partition(model, config=config)
         leaves = zpartition.get_z3_leaf_modules(model)
         assert bool(leaves) == (threshold >= 12100)
-        rank, world = zcomm.get_rank(), zcomm.get_world_size()
-        opt = torch.optim.SGD(handle.shard_parameters(), lr=0.1)
         data = batches(3, 8)
-        losses = []
-        for tokens in data:
-            loss = model(tokens.chunk(world)[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            zcomm.all_reduce(loss := loss.detach().clone(), op=zcomm.ReduceOp.AVG)
-            losses.append(loss.item())
+        losses = train_partitioned(model, handle.shard_parameters(), data, 0.1)
         torch.testing.assert_close(
             losses, reference_losses(reference, data, 0.1), rtol=1e-5, atol=1e-6
         )

@@ -14,7 +14,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig, ZeroParamError, ZeroParamStatus
 
-from ._models import Block, TinyGPT, batches, reference_losses
+from ._models import Block, TinyGPT, batches, reference_losses, train_partitioned
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 LR = 0.1
@@ -35,20 +35,7 @@ CONFIGS = {
 def _train(
     model: nn.Module, handle: zpartition.Partitioned, data: list[torch.Tensor]
 ) -> list[float]:
-    """Each rank trains on its slice of every global batch; returns the global mean losses."""
-    rank, world = zcomm.get_rank(), zcomm.get_world_size()
-    opt = torch.optim.SGD(handle.shard_parameters(), lr=LR)
-    losses = []
-    for tokens in data:
-        local = tokens.chunk(world)[rank]
-        loss = model(local)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        zcomm.all_reduce(mean, op=zcomm.ReduceOp.AVG)
-        losses.append(mean.item())
-    return losses
+    return train_partitioned(model, handle.shard_parameters(), data, LR)
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -112,6 +99,25 @@ class TestParity(DistributedTest):
                 p.ds_tensor.grad, flat[rank * chunk : (rank + 1) * chunk], msg=n
             )
         assert all(s.grad is not None for s in shards)
+
+
+class TestRemove(DistributedTest):
+    @SIZES
+    def test_remove_gives_back_a_plain_model(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        handle = zpartition.partition(model, config=CONFIGS["some-persistent"])
+        data = batches(3, 8)
+        _train(model, handle, data[:2])
+        handle.remove()
+        reference_losses(reference, data[:2], LR)
+        for (n, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert not zpartition.is_zero_param(p), n
+            torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6)
+        assert not any(type(m._parameters) is not dict for m in model.modules())
+        losses = reference_losses(model, data[2:], LR)  # trains as a plain model, no hooks
+        assert losses == pytest.approx(reference_losses(reference, data[2:], LR), rel=1e-5)
 
 
 class TestStorageAndStatus(DistributedTest):

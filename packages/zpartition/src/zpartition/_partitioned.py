@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
+from zpartition._channel import Kind
 from zpartition._config import ZeroParamConfig
 from zpartition._coordinator import Coordinator
 from zpartition._external import ParamDict
@@ -18,6 +19,7 @@ from zpartition._gather import channel_for, new_unit
 from zpartition._hooks import ModuleInfo, State
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
 from zpartition._param import ZeroParameter, convert_parameter, next_module_id, zero_params
+from zpartition._status import ZeroParamStatus
 from zpartition._unit import Unit
 
 __all__ = ["Partitioned", "convert_module", "partition"]
@@ -134,27 +136,30 @@ class Partitioned:
         channel.peak_live_numel = channel.live_numel
 
     def remove(self) -> None:
-        """Gather every parameter back into ``param.data`` and remove the hooks."""
+        """Make the model plain again: full parameters in ``param.data`` on every rank, no
+        hooks, no ``ds_*`` attributes. Every rank must call it."""
         for handle in self._state.handles:
             handle.remove()
         for unit in self.units:
-            if unit.status.name != "AVAILABLE":
-                unit.channel.agree(_gather_kind(), [unit.uid])
+            if unit.persistent:
+                unit.refresh()  # gathered, but maybe before the optimizer's last step
+            elif unit.status is not ZeroParamStatus.AVAILABLE:
+                unit.channel.agree(Kind.GATHER, [unit.uid])
                 unit.issue_gather()
                 unit.wait()
             for p, view in zip(unit.params, unit.views, strict=True):
                 p.data = view.clone()
+                for name in [k for k in p.__dict__ if k.startswith("ds_")] + _METHODS:
+                    p.__dict__.pop(name, None)
         for m in self.module.modules():
             if isinstance(m._parameters, ParamDict):
                 m._parameters = dict(m._parameters)
             m.__dict__.pop("_zp_on_externals_changed", None)
+            m.__dict__.pop("_external_params", None)
         self.module.__dict__.pop("forward", None)
 
 
-def _gather_kind() -> Any:
-    from zpartition._channel import Kind
-
-    return Kind.GATHER
+_METHODS = ["all_gather", "partition"]  # bound by convert_parameter (ds_summary is a ds_*)
 
 
 def partition(
