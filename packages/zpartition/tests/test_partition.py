@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -99,6 +100,32 @@ class TestParity(DistributedTest):
                 p.ds_tensor.grad, flat[rank * chunk : (rank + 1) * chunk], msg=n
             )
         assert all(s.grad is not None for s in shards)
+
+
+class TestGradientSink(DistributedTest):
+    @SIZES
+    @pytest.mark.parametrize("name", ["per-module", "some-persistent", "small-prefetch"])
+    def test_sink_receives_the_averaged_shard_gradients(self, world_size: int, name: str) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        received: dict[int, torch.Tensor] = {}
+
+        def sink(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
+            for p, g in zip(params, grads, strict=True):
+                assert g.shape == p.ds_tensor.shape
+                received[p.ds_id] = received.get(p.ds_id, torch.zeros_like(g)) + g
+
+        zpartition.partition(model, config=CONFIGS[name], gradient_sink=sink)
+        rank = zcomm.get_rank()
+        for tokens in batches(2, 4 * world_size):
+            model(tokens.chunk(world_size)[rank]).backward()
+            reference(tokens).backward()
+        for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+            assert p.ds_tensor.grad is None  # the sink took them
+            chunk = p.ds_tensor.numel()
+            flat = nn.functional.pad(ref.grad.reshape(-1), (0, chunk * world_size - ref.numel()))
+            torch.testing.assert_close(received[p.ds_id], flat[rank * chunk : (rank + 1) * chunk])
 
 
 class TestRemove(DistributedTest):

@@ -23,11 +23,13 @@ from zpartition._leaf import (
     z3_leaf_parameter,
 )
 from zpartition._partitioned import Partitioned, partition
+from zpartition._reduce import GradientSink
 from zpartition._status import ZeroParamStatus
 from zpartition._tensors import apply_to_tensors_only, is_zero_param
 
 __all__ = [
     "GatheredParameters",
+    "GradientSink",
     "Init",
     "Partitioned",
     "ZeroParamConfig",

@@ -33,7 +33,7 @@ from zpartition._coordinator import Coordinator
 from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter, unregister_external_parameter
 from zpartition._param import ZeroParameter, zero_params
-from zpartition._reduce import keep_local, reduce_units
+from zpartition._reduce import GradientSink, keep_local, reduce_units
 from zpartition._status import ZeroParamStatus
 from zpartition._unit import Unit
 
@@ -97,6 +97,7 @@ class State:
         self.pending: list[Unit] = []  # units whose gradients wait for a bucket to fill
         self.pending_numel = 0
         self.late_gradients = False  # gradients taken at the end of backward (see install)
+        self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
 
     # -- registration ----------------------------------------------------------------------
 
@@ -252,7 +253,7 @@ class State:
         """`unit`'s backward is over: queue its gradients for reduction, release it."""
         unit.ready = 0
         if unit.direct:
-            keep_local(unit)
+            keep_local(unit, self.sink)
         else:
             self.pending.append(unit)
             self.pending_numel += unit.numel
@@ -264,7 +265,7 @@ class State:
 
     def _flush(self) -> None:
         pending, self.pending, self.pending_numel = self.pending, [], 0
-        reduce_units(pending)
+        reduce_units(pending, self.sink)
 
     def _start_backward(self) -> None:
         self.in_backward = True
@@ -274,7 +275,7 @@ class State:
         self.in_backward = False
         for unit in self.units:
             if self.late_gradients:
-                keep_local(unit)
+                keep_local(unit, self.sink)
             elif unit.ready:
                 self._gradients_done(unit)  # the missing gradients count as zeros
         self._flush()

@@ -19,6 +19,7 @@ from zpartition._gather import channel_for, new_unit
 from zpartition._hooks import ModuleInfo, State
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
 from zpartition._param import ZeroParameter, convert_parameter, next_module_id, zero_params
+from zpartition._reduce import GradientSink
 from zpartition._status import ZeroParamStatus
 from zpartition._unit import Unit
 
@@ -167,12 +168,14 @@ def partition(
     *,
     config: ZeroParamConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    gradient_sink: GradientSink | None = None,
 ) -> Partitioned:
     """Partition `module`'s parameters across `group` (the world by default) and hook it.
 
     Parameters built under `Init` keep their shards; others are made equal to rank 0's and cut
     here. Modules then gather their parameters to run forward and backward and release them
-    after; each rank's averaged gradients land in ``ds_tensor.grad``.
+    after; each rank's averaged gradients land in ``ds_tensor.grad``, or are handed to
+    `gradient_sink` (an optimizer keeping its own fp32 gradients does that).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition: module must be an nn.Module, got {type(module).__name__}")
@@ -190,6 +193,7 @@ def partition(
     persistent = _persistent_unit(module, channel, persistent_ids)
     coordinator = Coordinator(config, channel, units)
     state = State(module, infos, coordinator, persistent, channel)
+    state.sink = gradient_sink
     state.units = [u for u in units if u.trainable]
     if persistent is not None and persistent.trainable:
         state.units.append(persistent)

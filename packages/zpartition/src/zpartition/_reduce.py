@@ -9,18 +9,23 @@ full gradient, flattened, becomes the shard's gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 import zcomm
 from zpartition._channel import Kind
+from zpartition._param import ZeroParameter
 from zpartition._unit import Unit, _GradGroup
 
-__all__ = ["keep_local", "reduce_units"]
+__all__ = ["GradientSink", "keep_local", "reduce_units"]
+
+GradientSink = Callable[[Sequence[ZeroParameter], Sequence[torch.Tensor]], None]
+"""Takes reduced gradients instead of ``ds_tensor.grad``: parameters, and for each its averaged
+shard gradient (1-D, ``ds_tensor.numel()`` elements, valid only during the call)."""
 
 
-def keep_local(unit: Unit) -> None:
+def keep_local(unit: Unit, sink: GradientSink | None = None) -> None:
     """One rank: move each full gradient into ``ds_tensor.grad`` (a view, no copy)."""
     for group in unit.grad_groups:
         for i in group.indices:
@@ -29,6 +34,9 @@ def keep_local(unit: Unit) -> None:
             if grad is None:
                 continue
             p.grad = None
+            if sink is not None:
+                sink([p], [grad.view(-1)])
+                continue
             shard = p.ds_tensor
             if shard.grad is None:
                 shard.grad = grad.view(-1)
@@ -36,7 +44,7 @@ def keep_local(unit: Unit) -> None:
                 shard.grad.add_(grad.view(-1))
 
 
-def reduce_units(units: Sequence[Unit]) -> None:
+def reduce_units(units: Sequence[Unit], sink: GradientSink | None = None) -> None:
     """Average the full gradients of `units` across ranks into each rank's shard gradients
     (accumulating over backward passes) and drop the full gradients."""
     if not units:
@@ -58,7 +66,14 @@ def reduce_units(units: Sequence[Unit]) -> None:
         zcomm.reduce_scatter_tensor(mine, rows.view(-1), op=zcomm.ReduceOp.AVG, group=channel.group)
         start = 0
         for u, group in parts:
-            _accumulate(u, group, mine[start : start + group.width])
+            reduced = mine[start : start + group.width]
+            if sink is None:
+                _accumulate(u, group, reduced)
+            else:
+                sink(
+                    [u.params[i] for i in group.indices],
+                    [reduced[off : off + chunk] for off, chunk in group.columns],
+                )
             start += group.width
 
 
