@@ -22,6 +22,7 @@ from zpartition._leaf import (
     z3_leaf_module,
     z3_leaf_parameter,
 )
+from zpartition._param import ZeroParameter
 from zpartition._partitioned import Partitioned, partition
 from zpartition._reduce import GradientSink
 from zpartition._status import ZeroParamStatus
@@ -35,6 +36,7 @@ __all__ = [
     "ZeroParamConfig",
     "ZeroParamError",
     "ZeroParamStatus",
+    "ZeroParameter",
     "__version__",
     "apply_to_tensors_only",
     "get_z3_leaf_modules",

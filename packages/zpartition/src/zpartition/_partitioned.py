@@ -127,6 +127,10 @@ class Partitioned:
                 seen.setdefault(p.ds_id, p.ds_tensor)
         return list(seen.values())
 
+    def set_gradient_sink(self, sink: GradientSink | None) -> None:
+        """Hand reduced shard gradients to `sink` from now on (None: ``ds_tensor.grad``)."""
+        self._state.sink = sink
+
     @property
     def peak_live_numel(self) -> int:
         """The most elements of non-persistent parameters gathered at once since `reset_peak`."""
@@ -136,28 +140,36 @@ class Partitioned:
         channel = self._state.channel
         channel.peak_live_numel = channel.live_numel
 
-    def remove(self) -> None:
-        """Make the model plain again: full parameters in ``param.data`` on every rank, no
-        hooks, no ``ds_*`` attributes. Every rank must call it."""
+    def remove(self, *, gather: bool = True) -> None:
+        """Take the hooks off. With `gather` (the default) make the model plain again: full
+        parameters in ``param.data`` on every rank, no ``ds_*`` attributes; without, leave the
+        parameters partitioned (for a model about to be dropped). Every rank must call it."""
         for handle in self._state.handles:
             handle.remove()
-        for unit in self.units:
-            if unit.persistent:
-                unit.refresh()  # gathered, but maybe before the optimizer's last step
-            elif unit.status is not ZeroParamStatus.AVAILABLE:
-                unit.channel.agree(Kind.GATHER, [unit.uid])
-                unit.issue_gather()
-                unit.wait()
-            for p, view in zip(unit.params, unit.views, strict=True):
-                p.data = view.clone()
-                for name in [k for k in p.__dict__ if k.startswith("ds_")] + _METHODS:
-                    p.__dict__.pop(name, None)
+        self._state.handles.clear()
         for m in self.module.modules():
             if isinstance(m._parameters, ParamDict):
                 m._parameters = dict(m._parameters)
             m.__dict__.pop("_zp_on_externals_changed", None)
-            m.__dict__.pop("_external_params", None)
+            if gather:
+                m.__dict__.pop("_external_params", None)
         self.module.__dict__.pop("forward", None)
+        if gather:
+            for unit in self.units:
+                self._unpartition(unit)
+
+    @staticmethod
+    def _unpartition(unit: Unit) -> None:
+        if unit.persistent:
+            unit.refresh()  # gathered, but maybe before the optimizer's last step
+        elif unit.status is not ZeroParamStatus.AVAILABLE:
+            unit.channel.agree(Kind.GATHER, [unit.uid])
+            unit.issue_gather()
+            unit.wait()
+        for p, view in zip(unit.params, unit.views, strict=True):
+            p.data = view.clone()
+            for name in [k for k in p.__dict__ if k.startswith("ds_")] + _METHODS:
+                p.__dict__.pop(name, None)
 
 
 _METHODS = ["all_gather", "partition"]  # bound by convert_parameter (ds_summary is a ds_*)

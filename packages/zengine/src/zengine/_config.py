@@ -1,0 +1,274 @@
+"""The DeepSpeed config: `load_config` reads and validates it into a frozen `EngineConfig`.
+
+Validation collects every problem before raising, so a config with three mistakes fails once,
+with three lines, not three times. The rules that span keys (batch-size arithmetic, fp16
+against bf16) are checked on the raw dict, so that they are reported alongside type errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+from pydantic import AliasChoices, Field, ValidationError
+
+from zengine._config_errors import ConfigError, describe_validation_error
+from zengine._config_sections import (
+    BF16Config,
+    CheckpointConfig,
+    DataType,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+    _Section,
+)
+from zpartition import ZeroParamConfig
+
+__all__ = ["ConfigError", "EngineConfig", "load_config"]
+
+_TRAIN, _MICRO, _ACCUMULATION = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+)
+
+_Positive = Annotated[int, Field(ge=1)]
+
+
+class _Sections(_Section):
+    """Every key but the three batch sizes, whose resolved and given forms differ."""
+
+    steps_per_print: int = Field(default=10, ge=1)
+    """Log progress every this many optimizer steps."""
+    gradient_clipping: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    optimizer: OptimizerConfig | None = None
+    """The optimizer to build, if the caller passes none."""
+    scheduler: SchedulerConfig | None = None
+    """The learning-rate schedule to build, if the caller passes none."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(
+        default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
+    )
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step separately."""
+    gradient_accumulation_dtype: DataType | None = None
+    """The dtype gradients accumulate in; None: the engine's choice."""
+    communication_data_type: DataType | None = None
+    """The dtype gradients are reduced in; None: the gradients' own."""
+    seed: int | None = None
+    """Seed the random generators with this, if given."""
+    zero_allow_untested_optimizer: bool = False
+    """Allow ZeRO with an optimizer the caller built (DeepSpeed refuses one by default)."""
+
+
+class _GivenConfig(_Sections):
+    train_batch_size: _Positive | None = None
+    train_micro_batch_size_per_gpu: _Positive | None = None
+    gradient_accumulation_steps: _Positive | None = None
+
+
+class EngineConfig(_Sections):
+    """A validated DeepSpeed config, with the batch sizes resolved; made by `load_config`.
+
+    ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+    world_size`` holds. Sections are models of their own (``config.zero_optimization.stage``).
+    """
+
+    train_batch_size: _Positive
+    """Samples per optimizer step, over all data-parallel ranks."""
+    train_micro_batch_size_per_gpu: _Positive
+    """Samples per forward and backward on one rank."""
+    gradient_accumulation_steps: _Positive
+    """Micro-batches per optimizer step."""
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage, 0 to 3."""
+        return self.zero_optimization.stage
+
+    @property
+    def fp16_enabled(self) -> bool:
+        """Whether the model computes in float16."""
+        return self.fp16.enabled
+
+    @property
+    def bf16_enabled(self) -> bool:
+        """Whether the model computes in bfloat16."""
+        return self.bf16.enabled
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype: float16, bfloat16 or float32."""
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    def zero_param_config(self) -> ZeroParamConfig:
+        """The ZeRO-3 parameter knobs, from ``zero_optimization``'s ``stage3_*`` keys."""
+        zero = self.zero_optimization
+        return ZeroParamConfig(
+            prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+            param_persistence_threshold=zero.stage3_param_persistence_threshold,
+            model_persistence_threshold=zero.stage3_model_persistence_threshold,
+            max_live_parameters=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+            reduce_bucket_size=zero.reduce_bucket_size,
+            module_granularity_threshold=zero.stage3_module_granularity_threshold,
+        )
+
+
+def load_config(
+    config: Mapping[str, Any] | str | os.PathLike[str] | None, *, world_size: int
+) -> EngineConfig:
+    """Validate a DeepSpeed config (a dict, or the path of a JSON file; None is ``{}``).
+
+    ``world_size`` is the data-parallel size, which the batch sizes are resolved against:
+    of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
+    ``gradient_accumulation_steps``, the ones not given are derived as DeepSpeed does.
+    Raises `ConfigError` listing every problem found.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"load_config(world_size=...): expected a positive int, got {world_size!r}"
+        )
+    data = _read(config)
+    problems: list[str] = []
+    given: _GivenConfig | None = None
+    try:
+        given = _GivenConfig.model_validate(data)
+    except ValidationError as error:
+        problems += describe_validation_error(error, _GivenConfig)
+    problems += _precision_problems(data)
+    batch, batch_problems = _resolve_batch(data, world_size)
+    problems += batch_problems
+    if problems or given is None or batch is None:
+        raise ConfigError(problems)
+    sections = {name: getattr(given, name) for name in _Sections.model_fields}
+    train, micro, accumulation = batch
+    return EngineConfig(
+        **sections,
+        train_batch_size=train,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accumulation,
+    )
+
+
+def _read(config: object) -> dict[Any, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return _read_json(Path(config))
+    raise ConfigError(
+        [f"config: expected a dict or the path of a JSON file, got {type(config).__name__}"]
+    )
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # DeepSpeed refuses a key given twice, where json would silently keep the last.
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKeyError(key)
+        result[key] = value
+    return result
+
+
+def _read_json(path: Path) -> dict[Any, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: config file not found"]) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError([f"{path}: cannot read the config file: {error}"]) from error
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as error:
+        where = f"line {error.lineno} column {error.colno}"
+        raise ConfigError([f"{path}: not valid JSON: {error.msg} at {where}"]) from None
+    except _DuplicateKeyError as error:
+        raise ConfigError([f"{path}: key {error.args[0]!r} is given twice"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: expected a JSON object, got {type(data).__name__}"])
+    return data
+
+
+def _enabled(section: object) -> bool:
+    return isinstance(section, Mapping) and section.get("enabled") is True
+
+
+def _precision_problems(data: Mapping[Any, Any]) -> list[str]:
+    bf16 = "bf16" if "bf16" in data else "bfloat16"
+    if _enabled(data.get("fp16")) and _enabled(data.get(bf16)):
+        return [f"{bf16}.enabled: fp16 and bf16 cannot both be enabled; disable one of them"]
+    return []
+
+
+def _given_batch_size(data: Mapping[Any, Any], key: str) -> int | None:
+    value = data.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _resolve_batch(
+    data: Mapping[Any, Any], world: int
+) -> tuple[tuple[int, int, int] | None, list[str]]:
+    """``(train, micro, accumulation)`` derived as DeepSpeed does, or the problems found."""
+    given = {key: _given_batch_size(data, key) for key in (_TRAIN, _MICRO, _ACCUMULATION)}
+    if any(data.get(key) is not None and (v is None or v < 1) for key, v in given.items()):
+        return None, []  # a batch size of the wrong type or range: the field check says so
+    train, micro, accumulation = given[_TRAIN], given[_MICRO], given[_ACCUMULATION]
+    if micro is None:
+        if train is None:
+            return None, [
+                f"{_TRAIN}: not given, and neither is {_MICRO}; give at least one of them "
+                f"({_TRAIN} = {_MICRO} * {_ACCUMULATION} * world size)"
+            ]
+        return _derive_micro(train, accumulation or 1, world)
+    if accumulation is None:
+        if train is not None:
+            return _derive_accumulation(train, micro, world)
+        accumulation = 1
+    product = micro * accumulation * world
+    if train is not None and train != product:
+        return None, [
+            f"{_TRAIN} {train} != {_MICRO} {micro} * {_ACCUMULATION} {accumulation} "
+            f"* world size {world} = {product}"
+        ]
+    return (product, micro, accumulation), []
+
+
+def _derive_micro(
+    train: int, accumulation: int, world: int
+) -> tuple[tuple[int, int, int] | None, list[str]]:
+    per_micro_batch = accumulation * world
+    if train % per_micro_batch:
+        return None, [
+            f"{_MICRO}: cannot be derived: {_TRAIN} {train} is not divisible by "
+            f"{_ACCUMULATION} {accumulation} * world size {world} = {per_micro_batch}"
+        ]
+    return (train, train // per_micro_batch, accumulation), []
+
+
+def _derive_accumulation(
+    train: int, micro: int, world: int
+) -> tuple[tuple[int, int, int] | None, list[str]]:
+    per_step = micro * world
+    if train % per_step:
+        return None, [
+            f"{_ACCUMULATION}: cannot be derived: {_TRAIN} {train} is not divisible by "
+            f"{_MICRO} {micro} * world size {world} = {per_step}"
+        ]
+    return (train, micro, train // per_step), []

@@ -1,0 +1,286 @@
+"""The sections of a DeepSpeed config as frozen pydantic models, with DeepSpeed's keys and defaults.
+
+Every model forbids unknown keys and validates strictly (``true`` is not ``1``), except that
+sizes counted in elements may be written as whole floats (``5e8``, as DeepSpeed's examples do).
+`zengine._config` puts them together and turns pydantic's errors into readable lines.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from zengine._config_errors import config_error, show
+
+__all__ = [
+    "BF16Config",
+    "CheckpointConfig",
+    "FP16Config",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "ParallelWriteConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+]
+
+OPTIMIZERS = ("Adam", "AdamW", "SGD")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+# DeepSpeed's Adam options, which torch's optimizers do not take: the engine reads, then drops them.
+_DEEPSPEED_OPTIMIZER_OPTIONS = frozenset({"torch_adam", "adam_w_mode"})
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+DataType = Literal["fp32", "fp16", "bf16"]
+
+
+def _whole_number(value: object) -> object:
+    # JSON configs write sizes as 5e8, which json parses as a float.
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise config_error(f"expected a whole number, got {show(value)}")
+    return value
+
+
+Size = Annotated[int, BeforeValidator(_whole_number), Field(ge=0)]
+"""A count of elements or bytes: a non-negative integer, or a whole float such as ``5e8``."""
+
+
+def _choose(value: object, choices: Sequence[str], what: str) -> object:
+    """The canonical spelling of ``value`` among ``choices``, matched case-insensitively."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if not isinstance(value, str):
+        return value  # the Literal check reports the wrong type
+    by_lower = {choice.lower(): choice for choice in choices}
+    if value.lower() in by_lower:
+        return by_lower[value.lower()]
+    close = difflib.get_close_matches(value.lower(), list(by_lower), n=1)
+    hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
+    raise config_error(f"unknown {what} {show(value)}{hint} (supported: {', '.join(choices)})")
+
+
+def _check_stage(stage: int) -> int:
+    if not 0 <= stage <= 3:
+        raise config_error(f"must be 0, 1, 2 or 3, got {stage!r}")
+    return stage
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+
+class OptimizerConfig(_Section):
+    """``optimizer``: which torch optimizer the engine builds, and its keyword arguments."""
+
+    type: Literal["Adam", "AdamW", "SGD"]
+    """The optimizer, spelled canonically; DeepSpeed's spelling is matched case-insensitively."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the torch optimizer (``lr``, ``betas``, ``weight_decay``, ...), as
+    given: DeepSpeed's ``torch_adam`` and ``adam_w_mode`` (bools) are kept for the engine to
+    read and must not reach torch."""
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: object) -> object:
+        return _choose(value, OPTIMIZERS, "optimizer")
+
+    @field_validator("params")
+    @classmethod
+    def _deepspeed_options_are_bools(cls, params: dict[str, Any]) -> dict[str, Any]:
+        for key in sorted(_DEEPSPEED_OPTIMIZER_OPTIONS & params.keys()):
+            if not isinstance(params[key], bool):
+                raise config_error(f"expected true or false, got {show(params[key])}", key=key)
+        return params
+
+
+class SchedulerConfig(_Section):
+    """``scheduler``: one of DeepSpeed's learning-rate schedules and its arguments."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    """The schedule, spelled canonically (matched case-insensitively)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the schedule (``warmup_num_steps``, ``warmup_max_lr``, ...)."""
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: object) -> object:
+        return _choose(value, SCHEDULERS, "scheduler")
+
+
+class FP16Config(_Section):
+    """``fp16``: float16 mixed precision with a static or dynamic loss scale."""
+
+    enabled: bool = False
+    auto_cast: bool = False
+    """Cast floating-point inputs of the forward to float16."""
+    loss_scale: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """A static loss scale; 0 means dynamic loss scaling."""
+    initial_scale_power: int = Field(default=16, ge=0)
+    """A dynamic scale starts at ``2 ** initial_scale_power``."""
+    loss_scale_window: int = Field(default=1000, ge=1)
+    """Steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = Field(default=2, ge=1)
+    """Overflows tolerated before the dynamic scale halves."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every step without overflow."""
+    min_loss_scale: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    """The dynamic scale never drops below this."""
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale adapts (``loss_scale`` is 0)."""
+        return self.loss_scale == 0
+
+    @property
+    def initial_dynamic_scale(self) -> float:
+        """The first loss scale of dynamic scaling: ``2 ** initial_scale_power``."""
+        return float(2**self.initial_scale_power)
+
+
+class BF16Config(_Section):
+    """``bf16`` (DeepSpeed's older name: ``bfloat16``): bfloat16 mixed precision."""
+
+    enabled: bool = False
+
+
+class _OffloadConfig(_Section):
+    device: OffloadDevice = "none"
+    """Where to offload: ``none``, ``cpu`` or ``nvme``."""
+    nvme_path: Path | None = Field(default=None, strict=False)
+    """The folder for NVMe offload files; required when ``device`` is ``nvme``."""
+    pin_memory: bool = False
+    """Offload to page-locked host memory."""
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_value(cls, value: object) -> object:
+        # zoffload.OffloadDeviceEnum (a str enum) is accepted as its value.
+        return value.value if isinstance(value, enum.Enum) else value
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> _OffloadConfig:
+        if self.device == "nvme" and self.nvme_path is None:
+            raise config_error("required when device is 'nvme'", key="nvme_path")
+        return self
+
+
+class OffloadParamConfig(_OffloadConfig):
+    """``zero_optimization.offload_param``: where ZeRO-3 keeps partitioned parameters."""
+
+    buffer_count: int = Field(default=5, ge=0)
+    """Buffers in the NVMe swap pool."""
+    buffer_size: Size = 100_000_000
+    """Elements per NVMe swap buffer."""
+    max_in_cpu: Size = 1_000_000_000
+    """Parameter elements kept in host memory when offloading to NVMe."""
+
+
+class OffloadOptimizerConfig(_OffloadConfig):
+    """``zero_optimization.offload_optimizer``: where the optimizer state and step live."""
+
+    buffer_count: int = Field(default=4, ge=0)
+    """Buffers in the NVMe swap pool (at least the states per parameter)."""
+    fast_init: bool = False
+    """Initialise NVMe-offloaded optimizer state quickly."""
+    pipeline_read: bool = False
+    """Overlap reading the next tile with the step on this one (NVMe)."""
+    pipeline_write: bool = False
+    """Overlap writing the previous tile with the step on this one (NVMe)."""
+
+
+def _none_is_default(value: object) -> object:
+    # DeepSpeed writes "offload_param": null for no offload.
+    return {} if value is None else value
+
+
+class ZeroConfig(_Section):
+    """``zero_optimization``: the ZeRO stage and its buckets, thresholds and offload.
+
+    Sizes count elements. Keys marked as accepted for DeepSpeed compatibility are
+    validated and kept, but zstack does not act on them.
+    """
+
+    stage: Annotated[int, AfterValidator(_check_stage)] = 0
+    """0: plain data parallel; 1: optimizer state, 2: and gradients, 3: and parameters."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward; defaults to true for stage 3 only."""
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: Size = 500_000_000
+    allgather_bucket_size: Size = 500_000_000
+    allgather_partitions: bool = True
+    """Accepted for DeepSpeed compatibility."""
+    round_robin_gradients: bool = False
+    """Accepted for DeepSpeed compatibility."""
+    ignore_unused_parameters: bool = True
+    """Accepted for DeepSpeed compatibility."""
+    load_from_fp32_weights: bool = True
+    """Accepted for DeepSpeed compatibility."""
+    sub_group_size: Size = 1_000_000_000
+    stage3_prefetch_bucket_size: Size = 50_000_000
+    stage3_param_persistence_threshold: Size = 100_000
+    stage3_model_persistence_threshold: Size = sys.maxsize
+    stage3_max_live_parameters: Size = 1_000_000_000
+    stage3_max_reuse_distance: Size = 1_000_000_000
+    stage3_module_granularity_threshold: Size = 0
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        default=False,
+        validation_alias=AliasChoices(
+            "stage3_gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",  # DeepSpeed's older name
+        ),
+    )
+    offload_param: Annotated[OffloadParamConfig, BeforeValidator(_none_is_default)] = Field(
+        default_factory=OffloadParamConfig
+    )
+    offload_optimizer: Annotated[OffloadOptimizerConfig, BeforeValidator(_none_is_default)] = Field(
+        default_factory=OffloadOptimizerConfig
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _overlap_default(cls, data: Any) -> Any:
+        # DeepSpeed: overlap_comm unset (or null) means true for stage 3, false otherwise.
+        if isinstance(data, dict) and data.get("overlap_comm") is None:
+            return {**data, "overlap_comm": data.get("stage") == 3}
+        return data
+
+
+class ParallelWriteConfig(_Section):
+    """``checkpoint.parallel_write``."""
+
+    pipeline_stage: bool = False
+    """Each pipeline stage writes its own part of the checkpoint."""
+
+
+class CheckpointConfig(_Section):
+    """``checkpoint``: how checkpoints are tagged, written and loaded."""
+
+    tag_validation: Literal["IGNORE", "WARN", "FAIL"] = "WARN"
+    """What to do when ranks save under different tags (matched case-insensitively)."""
+    load_universal: bool = False
+    """Load a universal (topology-independent) checkpoint."""
+    use_node_local_storage: bool = False
+    """Each node saves to its own local storage."""
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _canonical_mode(cls, value: object) -> object:
+        return _choose(value, ("IGNORE", "WARN", "FAIL"), "tag_validation mode")

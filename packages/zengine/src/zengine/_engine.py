@@ -1,0 +1,138 @@
+"""The engine: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``, as DeepSpeed's.
+
+It owns the model (``engine.module``), the ZeRO optimizer (``engine.optimizer``), the LR
+scheduler and the loss scaler, counts micro-steps and steps, and prints progress. Everything
+stage-specific lives in the layout (_layouts.py); everything about the config in _config.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import zcomm
+import zpartition
+from zengine._progress import Progress
+from zengine._zero_optimizer import ZeroOptimizer
+
+__all__ = ["Engine"]
+
+
+class Engine(nn.Module):
+    """What `zengine.initialize` returns first. Call it like the model."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: ZeroOptimizer,
+        lr_scheduler: Any,
+        *,
+        config: Any,
+        device: torch.device,
+        partitioned: zpartition.Partitioned | None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = config  # the resolved EngineConfig
+        self.device = device
+        self.partitioned = partitioned  # zpartition's handle at stage 3, else None
+        self.global_steps = 0  # optimizer steps taken (or skipped on overflow)
+        self.global_samples = 0
+        self.micro_steps = 0  # backward passes taken
+        self.progress = Progress(self, config)
+
+    # -- DeepSpeed's accessors -------------------------------------------------------------
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` steps the optimizer."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm across all ranks at the last step, before clipping."""
+        return self.optimizer.global_grad_norm
+
+    @property
+    def zero_optimization_stage(self) -> int:
+        return int(self.config.zero_stage)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.progress.timed("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backpropagate `loss` (divided by the accumulation steps, times the fp16 loss scale)
+        and reduce the gradients as the ZeRO stage says."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+            raise TypeError(
+                "engine.backward(loss): loss must be a tensor of one element, got "
+                f"{type(loss).__name__}{shape}"
+            )
+        with self.progress.timed("backward"):
+            self.optimizer.layout.before_backward()
+            scaled = loss.float()
+            if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+                scaled = scaled / self.gradient_accumulation_steps()
+            if self.optimizer.loss_scaler is not None:
+                scaled = scaled * self.optimizer.cur_scale
+            scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
+            self.optimizer.layout.after_backward(self.is_gradient_accumulation_boundary())
+        self.progress.record_loss(loss)
+        return loss
+
+    def step(self) -> None:
+        """Step the optimizer at the accumulation boundary; otherwise only count."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * zcomm.get_world_size(
+            self.optimizer.group
+        )
+        if not boundary:
+            return
+        with self.progress.timed("step"):
+            stepped = self.optimizer.step()
+            if stepped and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.global_steps += 1
+        self.progress.after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad()
+
+    # -- the model's parameters --------------------------------------------------------------
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def destroy(self) -> None:
+        """Take the hooks off and drop the optimizer's buffers (DeepSpeed's ``destroy``)."""
+        if self.partitioned is not None:
+            self.partitioned.remove(gather=False)
+            self.partitioned = None
+        self.optimizer.destroy()

@@ -1,0 +1,244 @@
+"""`initialize`: DeepSpeed's entry point, with its signature and return value.
+
+It reads the config, prepares the model (on the device, in the compute dtype, partitioned at
+stage 3), builds the ZeRO optimizer over the flat partitions, the LR scheduler and the loss
+scaler, and returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import zcomm
+import zpartition
+from zengine._config import EngineConfig, load_config
+from zengine._engine import Engine
+from zengine._layouts import FlatLayout, ShardedLayout
+from zengine._loss_scaler import DynamicLossScaler, StaticLossScaler
+from zengine._lr_schedules import build_scheduler
+from zengine._zero_optimizer import LossScaler, ZeroOptimizer
+
+__all__ = ["initialize"]
+
+_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_DEEPSPEED_ONLY = ("torch_adam", "adam_w_mode", "fused")  # optimizer params torch does not take
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset[Any] | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: Any = None,
+    config_params: Any = None,
+) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
+    """Build the engine: ``engine, optimizer, dataloader, lr_scheduler = initialize(...)``.
+
+    `config` (or its alias `config_params`, or ``args.deepspeed_config``) is a dict or a JSON
+    path with DeepSpeed's keys. `optimizer` may be None (the config's), a torch optimizer, or a
+    callable taking parameter groups; `lr_scheduler` None (the config's), a scheduler, or a
+    callable taking the optimizer.
+    """
+    if model is None:
+        raise ValueError("initialize: model is required")
+    if config is None:
+        config = config_params if config_params is not None else _config_from_args(args)
+    if dist_init_required is not False:
+        zcomm.init_distributed()
+    group = mpu.get_data_parallel_group() if mpu is not None else None
+    cfg = load_config(config, world_size=dist.get_world_size(group))
+    device = torch.device(zcomm.get_accelerator().current_device_name())
+    groups, options = _param_groups(model, optimizer, model_parameters)
+    loss_scaler = _loss_scaler(cfg)
+    layout: FlatLayout | ShardedLayout
+    if cfg.zero_stage == 3:
+        handle, layout = _stage3(model, groups, cfg, group, device)
+    else:
+        handle = None
+        _prepare_dense(model, cfg, group, device)
+        layout = FlatLayout(groups, stage=cfg.zero_stage, group=group, device=device)
+    zero = ZeroOptimizer(
+        _optimizer_factory(optimizer, cfg),
+        options,
+        layout,
+        stage=cfg.zero_stage,
+        group=group,
+        loss_scaler=loss_scaler,
+        clip=float(cfg.gradient_clipping),
+    )
+    for g in groups:
+        for p in g:
+            p.__dict__["_zengine_optimizer"] = zero  # how the safe_get_* functions find it
+    scheduler = _scheduler(lr_scheduler, zero, cfg)
+    engine = Engine(model, zero, scheduler, config=cfg, device=device, partitioned=handle)
+    loader = _loader(training_data, cfg, group, collate_fn) if training_data is not None else None
+    return engine, zero, loader, scheduler
+
+
+def zpartition_params(model: nn.Module) -> list[zpartition.ZeroParameter]:
+    """The model's parameters, typed with the attributes partitioned ones carry."""
+    return cast("list[zpartition.ZeroParameter]", list(model.parameters()))
+
+
+def _config_from_args(args: Any) -> Any:
+    path = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if path is None:
+        raise ValueError(
+            "initialize: no config: pass config={...} (a dict or a JSON path), or "
+            "args with deepspeed_config"
+        )
+    return path
+
+
+def _param_groups(
+    model: nn.Module, optimizer: Any, model_parameters: Iterable[Any] | None
+) -> tuple[list[list[nn.Parameter]], list[dict[str, Any]]]:
+    """The trainable parameters by optimizer group, and each group's options."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raw: list[Any] = list(optimizer.param_groups)
+    else:
+        raw = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if raw and not isinstance(raw[0], dict):
+        raw = [{"params": raw}]
+    groups: list[list[nn.Parameter]] = []
+    options: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for entry in raw:
+        params = [p for p in entry["params"] if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        groups.append(params)
+        options.append({k: v for k, v in entry.items() if k != "params"})
+    return groups, options
+
+
+def _prepare_dense(
+    model: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Stages 0-2: the model on the device, in the compute dtype, equal on every rank."""
+    model.to(device)
+    if cfg.dtype != torch.float32:
+        model.to(cfg.dtype)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        zcomm.broadcast(tensor.data, src, group=group)
+
+
+def _stage3(
+    model: nn.Module,
+    groups: list[list[nn.Parameter]],
+    cfg: EngineConfig,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[zpartition.Partitioned, ShardedLayout]:
+    """Stage 3: partition what is not yet (cast to the compute dtype), then hook the model."""
+    for p in zpartition_params(model):
+        if zpartition.is_zero_param(p):
+            if p.is_floating_point() and p.ds_tensor.dtype != cfg.dtype:
+                p.ds_tensor = p.ds_tensor.to(cfg.dtype)
+                p.data = torch.empty(0, dtype=cfg.dtype, device=p.device)
+        else:
+            p.data = p.data.to(device, cfg.dtype if p.is_floating_point() else p.dtype)
+    for b in model.buffers():
+        b.data = b.data.to(device)
+    handle = zpartition.partition(model, config=cfg.zero_param_config(), group=group)
+    grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]
+    layout = ShardedLayout(groups, group=group, device=device, grad_dtype=grad_dtype)
+    handle.set_gradient_sink(layout.sink)
+    return handle, layout
+
+
+def _optimizer_factory(
+    optimizer: Any, cfg: EngineConfig
+) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return lambda groups: _repoint(optimizer, groups)
+    if optimizer is not None:
+        if not callable(optimizer):
+            raise TypeError(
+                "initialize(optimizer=...): expected a torch optimizer, a callable taking "
+                f"parameter groups, or None; got {type(optimizer).__name__}"
+            )
+        return lambda groups: optimizer(groups)
+    if cfg.optimizer is None:
+        raise ValueError(
+            "initialize: no optimizer: pass optimizer=... or set 'optimizer' in the config"
+        )
+    kind = cfg.optimizer.type.lower()
+    params = {k: v for k, v in cfg.optimizer.params.items() if k not in _DEEPSPEED_ONLY}
+    if kind in ("adam", "adamw"):
+        params.setdefault("weight_decay", 0.0)  # DeepSpeed's default, not torch AdamW's 0.01
+    if kind == "adam" and cfg.optimizer.params.get("adam_w_mode", True):
+        kind = "adamw"  # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is off
+    cls = _OPTIMIZERS[kind]
+    return lambda groups: cls(groups, **params)
+
+
+def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> Any:
+    """The user's optimizer, stepping the masters: its groups keep their options."""
+    for mine, new in zip(optimizer.param_groups, groups, strict=True):
+        mine["params"] = new["params"]
+    optimizer.state.clear()
+    return optimizer
+
+
+def _loss_scaler(cfg: EngineConfig) -> LossScaler | None:
+    if not cfg.fp16_enabled:
+        return None
+    fp16 = cfg.fp16
+    if fp16.loss_scale:
+        return StaticLossScaler(float(fp16.loss_scale))
+    return DynamicLossScaler(
+        init_scale=2.0**fp16.initial_scale_power,
+        scale_window=fp16.loss_scale_window,
+        min_scale=float(fp16.min_loss_scale),
+        delayed_shift=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+    )
+
+
+def _scheduler(lr_scheduler: Any, zero: ZeroOptimizer, cfg: EngineConfig) -> Any:
+    if lr_scheduler is not None:
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler) or hasattr(
+            lr_scheduler, "step"
+        ):
+            return lr_scheduler
+        return lr_scheduler(zero.optimizer)
+    if cfg.scheduler is None:
+        return None
+    return build_scheduler(cfg.scheduler.type, zero.optimizer, dict(cfg.scheduler.params))
+
+
+def _loader(
+    data: Dataset[Any],
+    cfg: EngineConfig,
+    group: dist.ProcessGroup | None,
+    collate_fn: Callable[..., Any] | None,
+) -> DataLoader[Any]:
+    """DeepSpeed's training loader: micro-batches, each rank its share of the data."""
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data, num_replicas=dist.get_world_size(group), rank=dist.get_rank(group)
+    )
+    return DataLoader(
+        data,
+        batch_size=int(cfg.train_micro_batch_size_per_gpu),
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=True,
+    )

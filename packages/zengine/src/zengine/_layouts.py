@@ -1,0 +1,180 @@
+"""How parameters and gradients reach the flat partitions, per ZeRO stage.
+
+`FlatLayout` (stages 0, 1, 2): each group's parameters are packed into one flat buffer of the
+compute dtype and become views of it, and their ``.grad`` views of a flat gradient buffer, so
+autograd accumulates in place and a reduction is one collective per group: an all-reduce for
+stage 0, a reduce-scatter at the accumulation boundary for stage 1, after every backward for
+stage 2 (which then keeps only its partition of the gradients). After the step the updated
+partitions are all-gathered back into the parameters.
+
+`ShardedLayout` (stage 3): zpartition owns the parameters; its gradient sink adds each reduced
+shard gradient into the partition's gradient buffer, and after the step the masters are copied
+into the shards (``ds_tensor``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zcomm
+from zengine._partitions import Partitions
+from zpartition import ZeroParameter
+
+__all__ = ["FlatLayout", "ShardedLayout"]
+
+
+def _padded(numel: int, world: int) -> int:
+    return -(-numel // world) * world
+
+
+class FlatLayout:
+    """Stages 0-2: parameters as views of one flat buffer per group."""
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[nn.Parameter]],
+        *,
+        stage: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.stage = stage
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.params = [list(g) for g in groups]
+        self.flats: list[torch.Tensor] = []  # per group, the parameters' storage
+        self.grad_flats: list[torch.Tensor] = []  # per group, the full gradients' storage
+        self.grad_views: list[list[torch.Tensor]] = []
+        pieces, sizes = [], []
+        for params in self.params:
+            flat, grads, views, layout = self._pack(params, device)
+            self.flats.append(flat)
+            self.grad_flats.append(grads)
+            self.grad_views.append(views)
+            size = flat.numel() if stage == 0 else flat.numel() // self.world
+            lo = 0 if stage == 0 else self.rank * size
+            pieces.append(self._pieces(params, layout, lo, lo + size))
+            sizes.append(size)
+        self.partitions = Partitions(pieces, device, sizes)
+        for g, flat in enumerate(self.flats):
+            self.partitions.masters[g].copy_(self._mine(flat, g))
+
+    def _pack(
+        self, params: list[nn.Parameter], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[int]]:
+        total = sum(p.numel() for p in params)
+        dtype = params[0].dtype if params else torch.float32
+        flat = torch.zeros(_padded(total, self.world), dtype=dtype, device=device)
+        grads = torch.zeros_like(flat)
+        views, offsets, offset = [], [], 0
+        for p in params:
+            n = p.numel()
+            flat[offset : offset + n].copy_(p.data.reshape(-1))
+            p.data = flat[offset : offset + n].view_as(p)
+            views.append(grads[offset : offset + n].view_as(p))
+            offsets.append(offset)
+            offset += n
+        return flat, grads, views, offsets
+
+    @staticmethod
+    def _pieces(
+        params: list[nn.Parameter], offsets: list[int], lo: int, hi: int
+    ) -> list[tuple[nn.Parameter, int, int]]:
+        """The part of each parameter inside [lo, hi) of the flat buffer; an empty piece for a
+        parameter wholly on other ranks, so every rank knows every parameter (the ``full``
+        functions are collectives every rank must join)."""
+        pieces = []
+        for p, off in zip(params, offsets, strict=True):
+            start, stop = max(lo, off), min(hi, off + p.numel())
+            pieces.append((p, start - off, stop - start) if start < stop else (p, 0, 0))
+        return pieces
+
+    def _mine(self, flat: torch.Tensor, g: int) -> torch.Tensor:
+        size = self.partitions.masters[g].numel()
+        return flat if self.stage == 0 else flat[self.rank * size : (self.rank + 1) * size]
+
+    def before_backward(self) -> None:
+        """Point every ``.grad`` at the flat gradient buffer again (``zero_grad`` may have
+        set them to None), so autograd accumulates there."""
+        for params, views in zip(self.params, self.grad_views, strict=True):
+            for p, view in zip(params, views, strict=True):
+                if p.grad is not view:
+                    p.grad = view
+
+    def after_backward(self, boundary: bool) -> None:
+        """Reduce the full gradients into the partitions: every backward at stage 2, at the
+        accumulation boundary otherwise (stages 0 and 1 accumulate the full gradients)."""
+        if self.stage == 2 or boundary:
+            for g, grads in enumerate(self.grad_flats):
+                self._reduce(g, grads)
+                grads.zero_()
+
+    def _reduce(self, g: int, grads: torch.Tensor) -> None:
+        mine = self.partitions.grads[g]
+        if self.stage == 0:
+            zcomm.all_reduce(grads, op=zcomm.ReduceOp.AVG, group=self.group)
+            mine.add_(grads)
+            return
+        part = grads.new_empty(mine.numel())
+        zcomm.reduce_scatter_tensor(part, grads, op=zcomm.ReduceOp.AVG, group=self.group)
+        mine.add_(part)
+
+    def write_back(self) -> None:
+        """Copy the updated masters into the parameters (all-gathering the partitions)."""
+        for g, flat in enumerate(self.flats):
+            master = self.partitions.masters[g]
+            if self.stage == 0:
+                flat.copy_(master)
+                continue
+            mine = master.to(flat.dtype)
+            zcomm.all_gather_into_tensor(flat, mine, group=self.group)
+
+
+class ShardedLayout:
+    """Stage 3: zpartition's shards, with the fp32 masters and gradients kept here."""
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[nn.Parameter]],
+        *,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        grad_dtype: torch.dtype,
+    ) -> None:
+        self.params = [cast("list[ZeroParameter]", list(g)) for g in groups]
+        rank = dist.get_rank(group)
+        pieces = [
+            [(p, rank * p.ds_tensor.numel(), p.ds_tensor.numel()) for p in g] for g in self.params
+        ]
+        sizes = [sum(n for _, _, n in g) for g in pieces]
+        shard_device = self.params[0][0].ds_tensor.device if self.params[0] else device
+        self.partitions = Partitions(pieces, shard_device, sizes, grad_dtype)
+        self._grads = {id(p): self.partitions.grad_of(p) for g in self.params for p in g}
+        for g in self.params:
+            for p in g:
+                master = self.partitions.master_of(p)
+                assert master is not None
+                master.copy_(p.ds_tensor)
+        self._shards = [p.ds_tensor for g in self.params for p in g]
+        self._masters = [self.partitions.master_of(p) for g in self.params for p in g]
+
+    def sink(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
+        """zpartition's gradient sink: accumulate reduced shard gradients in fp32."""
+        for p, grad in zip(params, grads, strict=True):
+            mine = self._grads.get(id(p))
+            if mine is not None:  # frozen parameters have no master
+                mine.add_(grad)
+
+    def before_backward(self) -> None:
+        pass
+
+    def after_backward(self, boundary: bool) -> None:
+        pass  # zpartition reduced the gradients during backward
+
+    def write_back(self) -> None:
+        torch._foreach_copy_(self._shards, self._masters)  # type: ignore[arg-type]

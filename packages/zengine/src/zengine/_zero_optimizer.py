@@ -1,0 +1,167 @@
+"""The ZeRO optimizer: a torch optimizer stepping each rank's flat fp32 partitions.
+
+It holds the partitions (see [Note: flat partitions]) and the layout that fills them; a step
+unscales the gradients (fp16), checks them for inf and NaN on every rank (an overflow skips the
+step and lowers the loss scale, so no inf or NaN ever reaches the masters), clips them by the
+global norm across ranks, steps, and writes the masters back into the parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+import zcomm
+from zengine._partitions import Partitions
+
+__all__ = ["Layout", "LossScaler", "ZeroOptimizer"]
+
+log = logging.getLogger("zengine")
+
+
+class Layout(Protocol):
+    partitions: Partitions
+
+    def before_backward(self) -> None: ...
+    def after_backward(self, boundary: bool) -> None: ...
+    def write_back(self) -> None: ...
+
+
+class LossScaler(Protocol):
+    @property
+    def loss_scale(self) -> float: ...
+    def update_scale(self, overflow: bool) -> None: ...
+
+
+class ZeroOptimizer:
+    """What ``engine.optimizer`` is: the wrapped torch optimizer over the flat partitions.
+
+    ``param_groups`` are the torch optimizer's (LR schedulers change them);
+    ``grad_partitions_flat_buffer`` is this rank's flat fp32 gradient partition.
+    """
+
+    def __init__(
+        self,
+        make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+        group_options: Sequence[dict[str, Any]],
+        layout: Layout,
+        *,
+        stage: int,
+        group: dist.ProcessGroup | None,
+        loss_scaler: LossScaler | None,
+        clip: float,
+    ) -> None:
+        self.stage = stage
+        self.layout = layout
+        self.partitions = layout.partitions
+        self.group = group  # the data-parallel group: norms and overflow agree across it
+        self.loss_scaler = loss_scaler  # None without fp16
+        self.clip = clip
+        groups = []
+        for master, grad, options in zip(
+            self.partitions.masters, self.partitions.grads, group_options, strict=True
+        ):
+            if grad.dtype == torch.float32:
+                master.grad = grad  # else an fp32 copy, only during the step
+            groups.append({**options, "params": [master]})
+        self.optimizer = make_optimizer(groups)
+        self.global_grad_norm: float | None = None  # of the last step, before clipping
+        self.skipped_steps = 0
+
+    # -- what DeepSpeed's ZeRO optimizers expose -------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return self.optimizer.state
+
+    @property
+    def grad_partitions_flat_buffer(self) -> torch.Tensor:
+        return self.partitions.grad_partitions_flat_buffer
+
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        return self.partitions.masters
+
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        return {g: [grad] for g, grad in enumerate(self.partitions.grads)}
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient partitions (they are buffers, never set to None)."""
+        self.partitions.grad_partitions_flat_buffer.zero_()
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Step the masters and write them back; False when an overflow skipped the step."""
+        grads = self.partitions.grad_partitions_flat_buffer
+        scale = self.cur_scale
+        norm_sq, overflow = self._norm_and_overflow(grads)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            self.global_grad_norm = None
+            log.info(
+                "zengine: gradient overflow, step skipped; loss scale %s -> %s",
+                scale,
+                self.cur_scale,
+            )
+            self.zero_grad()
+            return False
+        norm = math.sqrt(norm_sq) / scale
+        self.global_grad_norm = norm
+        factor = 1.0 / scale
+        if self.clip > 0 and norm > self.clip:
+            factor *= self.clip / (norm + 1e-6)
+        if factor != 1.0:
+            grads.mul_(factor)
+        low = grads.dtype != torch.float32
+        if low:
+            for master, grad in zip(self.partitions.masters, self.partitions.grads, strict=True):
+                master.grad = grad.float()
+        self.optimizer.step()
+        if low:
+            for master in self.partitions.masters:
+                master.grad = None
+        self.layout.write_back()
+        self.zero_grad()
+        return True
+
+    def _norm_and_overflow(self, grads: torch.Tensor) -> tuple[float, bool]:
+        """The squared global gradient norm (of the scaled gradients) and whether any rank
+        holds an inf or NaN, with one all-reduce for both."""
+        stats = torch.stack([grads.double().square().sum(), (~torch.isfinite(grads)).sum()])
+        if self.stage > 0:  # stage 0 ranks hold the same averaged gradients: nothing to sum
+            zcomm.all_reduce(stats, group=self.group)
+        norm_sq, bad = stats.tolist()
+        return norm_sq, bad > 0 or not math.isfinite(norm_sq)
+
+    def destroy(self) -> None:
+        """Drop the state and the flat buffers (the engine is done with them)."""
+        self.optimizer.state.clear()
+        empty = torch.empty(0)
+        self.partitions.fp32_partitions_flat = empty
+        self.partitions.grad_partitions_flat_buffer = empty
+        self.partitions.masters.clear()
+        self.partitions.grads.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = state.get("skipped_steps", 0)

@@ -1,0 +1,172 @@
+"""DeepSpeed's ``safe_get_*`` / ``safe_set_*``: a parameter's fp32 master, gradient and
+optimizer state, this rank's piece (``local``) or the whole (``full``, every rank must call).
+
+A parameter's piece lives in the ZeRO optimizer's flat partitions (see [Note: flat partitions]
+in _partitions.py). Parameters the optimizer does not hold (frozen ones) give None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import zcomm
+from zengine._partitions import Fragment
+from zengine._zero_optimizer import ZeroOptimizer
+
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+]
+
+
+def _owner(param: torch.Tensor) -> tuple[ZeroOptimizer, Fragment] | None:
+    optimizer = param.__dict__.get("_zengine_optimizer")
+    if optimizer is None:
+        return None
+    frag = optimizer.partitions.fragments.get(id(param))
+    return None if frag is None else (optimizer, frag)
+
+
+def _state_of(optimizer: ZeroOptimizer, frag: Fragment, key: str) -> torch.Tensor:
+    master = optimizer.partitions.masters[frag.group]
+    state = optimizer.optimizer.state.get(master, {})
+    if key not in state:
+        raise KeyError(
+            f"safe_get_*_optimizer_state: no optimizer state {key!r} (there is: "
+            f"{sorted(state) or 'none yet: step the optimizer first'})"
+        )
+    group_start = optimizer.partitions.fragments_start(frag.group)
+    offset = frag.start - group_start
+    value: torch.Tensor = state[key]
+    return value[offset : offset + frag.numel]
+
+
+def _local(param: torch.Tensor, what: str, key: str = "") -> torch.Tensor | None:
+    owner = _owner(param)
+    if owner is None:
+        return None
+    optimizer, frag = owner
+    parts = optimizer.partitions
+    if what == "param":
+        return parts.fp32_partitions_flat[frag.start : frag.start + frag.numel]
+    if what == "grad":
+        return parts.grad_partitions_flat_buffer[frag.start : frag.start + frag.numel]
+    return _state_of(optimizer, frag, key)
+
+
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's piece of `param`'s fp32 master (a view: writing it changes the master)."""
+    return _local(param, "param")
+
+
+def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's piece of `param`'s reduced fp32 gradient (between backward and step)."""
+    return _local(param, "grad")
+
+
+def safe_get_local_optimizer_state(
+    param: torch.Tensor, optim_state_key: str
+) -> torch.Tensor | None:
+    """This rank's piece of an optimizer state of `param`, e.g. ``"exp_avg"``."""
+    return _local(param, "state", optim_state_key)
+
+
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    _set(safe_get_local_fp32_param(param), value, param)
+
+
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    _set(safe_get_local_grad(param), value, param)
+
+
+def safe_set_local_optimizer_state(
+    param: torch.Tensor, value: torch.Tensor, optim_state_key: str
+) -> None:
+    _set(safe_get_local_optimizer_state(param, optim_state_key), value, param)
+
+
+def _set(target: torch.Tensor | None, value: torch.Tensor, param: torch.Tensor) -> None:
+    if target is None:
+        raise ValueError("safe_set_*: the parameter is not trained by a zengine optimizer")
+    target.copy_(value.reshape(target.shape))
+
+
+def _full(param: torch.Tensor, what: str, key: str = "") -> torch.Tensor | None:
+    """Every rank's pieces of `param`, put together in its shape (collective)."""
+    owner = _owner(param)
+    if owner is None:
+        return None
+    optimizer, frag = owner
+    local = _local(param, what, key)
+    assert local is not None
+    shape = param.ds_shape if hasattr(param, "ds_shape") else param.shape
+    numel = int(torch.Size(shape).numel())
+    if optimizer.stage == 0:
+        return local.clone().view(shape)
+    world = zcomm.get_world_size(optimizer.group)
+    # every rank sends (offset in the parameter, numel, values padded to the largest piece)
+    header = torch.tensor([frag.param_offset, frag.numel], dtype=torch.int64)
+    headers = torch.empty(2 * world, dtype=torch.int64)
+    zcomm.all_gather_into_tensor(headers, header, group=optimizer.group)
+    spans = headers.view(world, 2).tolist()
+    width = max(n for _, n in spans)
+    padded = torch.zeros(width, dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local
+    pieces = torch.empty(world * width, dtype=local.dtype, device=local.device)
+    zcomm.all_gather_into_tensor(pieces, padded, group=optimizer.group)
+    full = torch.zeros(numel, dtype=local.dtype, device=local.device)
+    for r, (offset, n) in enumerate(spans):
+        n = max(0, min(n, numel - offset))
+        full[offset : offset + n] = pieces[r * width : r * width + n]
+    return full.view(shape)
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """`param`'s whole fp32 master (every rank must call)."""
+    return _full(param, "param")
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """`param`'s whole reduced fp32 gradient (every rank must call)."""
+    return _full(param, "grad")
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    """An optimizer state of `param`, whole (every rank must call)."""
+    return _full(param, "state", optim_state_key)
+
+
+def _set_full(param: torch.Tensor, value: torch.Tensor, what: str, key: str = "") -> None:
+    owner = _owner(param)
+    local = _local(param, what, key)
+    if owner is None or local is None:
+        raise ValueError("safe_set_full_*: the parameter is not trained by a zengine optimizer")
+    _, frag = owner
+    flat = value.reshape(-1)
+    n = max(0, min(frag.numel, flat.numel() - frag.param_offset))
+    local[:n].copy_(flat[frag.param_offset : frag.param_offset + n])
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set `param`'s fp32 master from the whole value (each rank keeps its piece)."""
+    _set_full(param, value, "param")
+
+
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    _set_full(param, value, "grad")
+
+
+def safe_set_full_optimizer_state(
+    param: torch.Tensor, value: torch.Tensor, optim_state_key: str
+) -> None:
+    _set_full(param, value, "state", optim_state_key)

@@ -1,0 +1,657 @@
+"""load_config: DeepSpeed's keys and defaults, batch-size resolution, and the error messages."""
+
+from __future__ import annotations
+
+import enum
+import json
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+import torch
+
+from zengine._config import ConfigError, EngineConfig, load_config
+from zpartition import ZeroParamConfig
+
+# The config of DeepSpeed's test_zero_context_return.py (seeds/000_339ec31897b12b43.txt).
+SEED_CONFIG: dict[str, Any] = {
+    "train_batch_size": 1,
+    "steps_per_print": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1},
+    "fp16": {"enabled": True, "loss_scale": 138.0},
+}
+
+
+def _problems(config: Any, world_size: int = 1) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, world_size=world_size)
+    assert str(info.value) == "\n".join(info.value.problems)
+    return list(info.value.problems)
+
+
+def _zero(**keys: Any) -> dict[str, Any]:
+    return {"train_batch_size": 4, "zero_optimization": keys}
+
+
+# --- defaults ---------------------------------------------------------------------------
+
+
+def test_top_level_defaults() -> None:
+    config = load_config({"train_batch_size": 8}, world_size=2)
+    assert isinstance(config, EngineConfig)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu) == (8, 4)
+    assert config.gradient_accumulation_steps == 1
+    assert config.steps_per_print == 10
+    assert config.gradient_clipping == 0.0
+    assert config.optimizer is None
+    assert config.scheduler is None
+    assert config.wall_clock_breakdown is False
+    assert config.gradient_accumulation_dtype is None
+    assert config.communication_data_type is None
+    assert config.seed is None
+    assert config.zero_allow_untested_optimizer is False
+    assert config.zero_stage == 0
+    assert (config.fp16_enabled, config.bf16_enabled) == (False, False)
+    assert config.dtype == torch.float32
+
+
+def test_fp16_bf16_checkpoint_defaults() -> None:
+    config = load_config({"train_batch_size": 1}, world_size=1)
+    fp16 = config.fp16
+    assert fp16.enabled is False
+    assert fp16.auto_cast is False
+    assert fp16.loss_scale == 0.0
+    assert fp16.dynamic_loss_scale is True
+    assert fp16.initial_scale_power == 16
+    assert fp16.initial_dynamic_scale == 65536.0
+    assert fp16.loss_scale_window == 1000
+    assert fp16.hysteresis == 2
+    assert fp16.consecutive_hysteresis is False
+    assert fp16.min_loss_scale == 1.0
+    assert config.bf16.enabled is False
+    checkpoint = config.checkpoint
+    assert checkpoint.tag_validation == "WARN"
+    assert checkpoint.load_universal is False
+    assert checkpoint.use_node_local_storage is False
+    assert checkpoint.parallel_write.pipeline_stage is False
+
+
+def test_zero_defaults() -> None:
+    zero = load_config({"train_batch_size": 1}, world_size=1).zero_optimization
+    assert zero.stage == 0
+    assert zero.overlap_comm is False
+    assert zero.contiguous_gradients is True
+    assert zero.reduce_scatter is True
+    assert zero.reduce_bucket_size == 500_000_000
+    assert zero.allgather_bucket_size == 500_000_000
+    assert zero.allgather_partitions is True
+    assert zero.round_robin_gradients is False
+    assert zero.ignore_unused_parameters is True
+    assert zero.load_from_fp32_weights is True
+    assert zero.sub_group_size == 1_000_000_000
+    assert zero.stage3_prefetch_bucket_size == 50_000_000
+    assert zero.stage3_param_persistence_threshold == 100_000
+    assert zero.stage3_model_persistence_threshold == sys.maxsize
+    assert zero.stage3_max_live_parameters == 1_000_000_000
+    assert zero.stage3_max_reuse_distance == 1_000_000_000
+    assert zero.stage3_module_granularity_threshold == 0
+    assert zero.stage3_gather_16bit_weights_on_model_save is False
+
+
+def test_offload_defaults() -> None:
+    zero = load_config({"train_batch_size": 1}, world_size=1).zero_optimization
+    param, optimizer = zero.offload_param, zero.offload_optimizer
+    assert (param.device, param.nvme_path, param.pin_memory) == ("none", None, False)
+    assert (param.buffer_count, param.buffer_size, param.max_in_cpu) == (5, 100_000_000, 10**9)
+    assert (optimizer.device, optimizer.nvme_path, optimizer.pin_memory) == ("none", None, False)
+    assert (optimizer.buffer_count, optimizer.fast_init) == (4, False)
+    assert (optimizer.pipeline_read, optimizer.pipeline_write) == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("keys", "expected"),
+    [
+        ({"stage": 0}, False),
+        ({"stage": 1}, False),
+        ({"stage": 2}, False),
+        ({"stage": 3}, True),
+        ({"stage": 3, "overlap_comm": False}, False),
+        ({"stage": 2, "overlap_comm": True}, True),
+        ({"stage": 3, "overlap_comm": None}, True),
+    ],
+)
+def test_overlap_comm_defaults_to_stage_3(keys: dict[str, Any], expected: bool) -> None:
+    assert load_config(_zero(**keys), world_size=1).zero_optimization.overlap_comm is expected
+
+
+def test_zero_param_config_defaults_match_zpartition() -> None:
+    assert load_config({"train_batch_size": 1}, world_size=1).zero_param_config() == (
+        ZeroParamConfig()
+    )
+
+
+# --- values -----------------------------------------------------------------------------
+
+
+def test_seed_config_loads() -> None:
+    config = load_config(SEED_CONFIG, world_size=1)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu) == (1, 1)
+    assert config.gradient_accumulation_steps == 1
+    assert config.steps_per_print == 1
+    assert config.optimizer is not None
+    assert (config.optimizer.type, config.optimizer.params) == ("Adam", {"lr": 0.00015})
+    assert config.zero_stage == 3
+    assert config.zero_optimization.overlap_comm is True
+    assert config.zero_param_config().param_persistence_threshold == 1
+    assert config.fp16_enabled is True
+    assert config.fp16.loss_scale == 138.0
+    assert config.fp16.dynamic_loss_scale is False
+    assert config.dtype == torch.float16
+
+
+def test_seed_config_with_bf16_loads() -> None:
+    config = {**SEED_CONFIG, "bf16": {"enabled": True}}
+    del config["fp16"]
+    assert load_config(config, world_size=1).dtype == torch.bfloat16
+
+
+def test_zero_param_config_maps_stage3_keys() -> None:
+    config = load_config(
+        _zero(
+            stage=3,
+            stage3_prefetch_bucket_size=11,
+            stage3_param_persistence_threshold=12,
+            stage3_model_persistence_threshold=13,
+            stage3_max_live_parameters=14,
+            stage3_max_reuse_distance=15,
+            stage3_module_granularity_threshold=16,
+            reduce_bucket_size=17,
+        ),
+        world_size=1,
+    )
+    assert config.zero_param_config() == ZeroParamConfig(
+        prefetch_bucket_size=11,
+        param_persistence_threshold=12,
+        model_persistence_threshold=13,
+        max_live_parameters=14,
+        max_reuse_distance=15,
+        module_granularity_threshold=16,
+        reduce_bucket_size=17,
+    )
+
+
+def test_sizes_written_as_floats_become_ints() -> None:
+    zero = load_config(
+        _zero(reduce_bucket_size=5e8, stage3_prefetch_bucket_size=2e7, sub_group_size=1e9),
+        world_size=1,
+    ).zero_optimization
+    assert zero.reduce_bucket_size == 500_000_000
+    assert type(zero.reduce_bucket_size) is int
+    assert type(zero.stage3_prefetch_bucket_size) is int
+    assert zero.stage3_prefetch_bucket_size == 20_000_000
+    assert zero.sub_group_size == 1_000_000_000
+
+
+@pytest.mark.parametrize(
+    ("written", "canonical"), [("adam", "Adam"), ("ADAMW", "AdamW"), ("sgd", "SGD")]
+)
+def test_optimizer_type_is_case_insensitive(written: str, canonical: str) -> None:
+    config = load_config({"train_batch_size": 1, "optimizer": {"type": written}}, world_size=1)
+    assert config.optimizer is not None
+    assert config.optimizer.type == canonical
+    assert config.optimizer.params == {}
+
+
+def test_optimizer_params_are_kept_as_given() -> None:
+    params = {"lr": 1e-3, "betas": [0.9, 0.95], "torch_adam": True, "adam_w_mode": False}
+    config = load_config(
+        {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": params}}, world_size=1
+    )
+    assert config.optimizer is not None
+    assert config.optimizer.params == params
+
+
+def test_deepspeed_optimizer_options_are_bools() -> None:
+    params = {"lr": 1e-3, "torch_adam": 1, "adam_w_mode": "no"}
+    assert _problems({"train_batch_size": 1, "optimizer": {"type": "Adam", "params": params}}) == [
+        "optimizer.params.adam_w_mode: expected true or false, got 'no'"
+    ]
+
+
+def test_scheduler_and_tag_validation_are_canonical() -> None:
+    config = load_config(
+        {
+            "train_batch_size": 1,
+            "scheduler": {"type": "warmuplr", "params": {"warmup_num_steps": 10}},
+            "checkpoint": {"tag_validation": "Fail", "load_universal": True},
+        },
+        world_size=1,
+    )
+    assert config.scheduler is not None
+    assert (config.scheduler.type, config.scheduler.params) == (
+        "WarmupLR",
+        {"warmup_num_steps": 10},
+    )
+    assert config.checkpoint.tag_validation == "FAIL"
+    assert config.checkpoint.load_universal is True
+
+
+def test_bfloat16_alias_and_older_gather_key() -> None:
+    config = load_config(
+        {
+            "train_batch_size": 1,
+            "bfloat16": {"enabled": True},
+            "zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True},
+        },
+        world_size=1,
+    )
+    assert config.bf16_enabled is True
+    assert config.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+
+
+class _Device(str, enum.Enum):  # like zoffload.OffloadDeviceEnum
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+def test_offload_sections() -> None:
+    config = load_config(
+        _zero(
+            stage=3,
+            offload_param={"device": "nvme", "nvme_path": "/local_nvme", "buffer_size": 1e8},
+            offload_optimizer={"device": _Device.cpu, "pin_memory": True},
+        ),
+        world_size=1,
+    )
+    zero = config.zero_optimization
+    assert zero.offload_param.device == "nvme"
+    assert zero.offload_param.nvme_path == Path("/local_nvme")
+    assert zero.offload_optimizer.device == "cpu"
+    assert type(zero.offload_optimizer.device) is str
+    assert zero.offload_optimizer.pin_memory is True
+
+
+def test_null_offload_means_none() -> None:
+    zero = load_config(_zero(offload_param=None), world_size=1).zero_optimization
+    assert zero.offload_param.device == "none"
+
+
+def test_optional_top_level_keys() -> None:
+    config = load_config(
+        {
+            "train_batch_size": 1,
+            "gradient_clipping": 1,
+            "wall_clock_breakdown": True,
+            "gradient_accumulation_dtype": "fp32",
+            "communication_data_type": "bf16",
+            "seed": 1234,
+            "zero_allow_untested_optimizer": True,
+        },
+        world_size=1,
+    )
+    assert config.gradient_clipping == 1.0
+    assert config.wall_clock_breakdown is True
+    assert config.gradient_accumulation_dtype == "fp32"
+    assert config.communication_data_type == "bf16"
+    assert config.seed == 1234
+    assert config.zero_allow_untested_optimizer is True
+
+
+def test_config_is_frozen_and_input_untouched() -> None:
+    given = json.loads(json.dumps(SEED_CONFIG))
+    config = load_config(given, world_size=1)
+    assert given == SEED_CONFIG
+    with pytest.raises(pydantic.ValidationError):
+        config.train_batch_size = 2
+    with pytest.raises(pydantic.ValidationError):
+        config.zero_optimization.stage = 1
+
+
+def test_none_is_an_empty_config() -> None:
+    assert _problems(None) == _problems({})
+
+
+# --- JSON files -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_str", [True, False])
+def test_json_path(tmp_path: Path, as_str: bool) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(SEED_CONFIG))
+    config = load_config(str(path) if as_str else path, world_size=1)
+    assert config == load_config(SEED_CONFIG, world_size=1)
+    assert config.zero_param_config().param_persistence_threshold == 1
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.json"
+    assert _problems(path) == [f"{path}: config file not found"]
+
+
+def test_bad_json(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{"train_batch_size": 1,\n "fp16": {enabled: true}}')
+    assert _problems(path) == [
+        f"{path}: not valid JSON: Expecting property name enclosed in double quotes "
+        "at line 2 column 11"
+    ]
+
+
+def test_duplicate_json_key(tmp_path: Path) -> None:
+    path = tmp_path / "twice.json"
+    path.write_text('{"train_batch_size": 1, "train_batch_size": 2}')
+    assert _problems(path) == [f"{path}: key 'train_batch_size' is given twice"]
+
+
+def test_json_that_is_not_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    assert _problems(path) == [f"{path}: expected a JSON object, got list"]
+
+
+def test_json_problems_name_keys(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 1, "zero_optimization": {"stage": 5}}')
+    assert _problems(path) == ["zero_optimization.stage: must be 0, 1, 2 or 3, got 5"]
+
+
+def test_config_of_the_wrong_type() -> None:
+    assert _problems(3) == ["config: expected a dict or the path of a JSON file, got int"]
+
+
+@pytest.mark.parametrize("world_size", [0, -1, True, 2.0])
+def test_bad_world_size(world_size: Any) -> None:
+    with pytest.raises(ValueError, match=r"load_config\(world_size=...\): expected a positive"):
+        load_config({"train_batch_size": 1}, world_size=world_size)
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+def test_unknown_nested_key_suggests_the_closest() -> None:
+    assert _problems(_zero(stage3_prefetch_bucket_sise=5e7)) == [
+        "zero_optimization.stage3_prefetch_bucket_sise: unknown key; "
+        "did you mean 'stage3_prefetch_bucket_size'?"
+    ]
+
+
+def test_unknown_keys_at_every_level() -> None:
+    assert _problems(
+        {
+            "train_batch_sise": 1,
+            "fp16": {"enable": True},
+            "zero_optimization": {"offload_param": {"devise": "cpu"}},
+            "checkpoint": {"parallel_write": {"pipeline": True}},
+        }
+    ) == [
+        "fp16.enable: unknown key; did you mean 'enabled'?",
+        "zero_optimization.offload_param.devise: unknown key; did you mean 'device'?",
+        "checkpoint.parallel_write.pipeline: unknown key; did you mean 'pipeline_stage'?",
+        "train_batch_sise: unknown key; did you mean 'train_batch_size'?",
+        # the misspelt key leaves no batch size given
+        "train_batch_size: not given, and neither is train_micro_batch_size_per_gpu; give at "
+        "least one of them (train_batch_size = train_micro_batch_size_per_gpu * "
+        "gradient_accumulation_steps * world size)",
+    ]
+
+
+def test_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
+    assert _problems({"train_batch_size": 1, "bf16": {"zzz": 1}}) == [
+        "bf16.zzz: unknown key (valid keys: enabled)"
+    ]
+
+
+def test_deepspeed_feature_without_support() -> None:
+    assert _problems({"train_batch_size": 1, "tensorboard": {"enabled": True}}) == [
+        "tensorboard: a DeepSpeed feature that zstack does not support; remove the key"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        ({"steps_per_print": "10"}, "steps_per_print: expected an integer, got '10'"),
+        ({"steps_per_print": 0}, "steps_per_print: must be >= 1, got 0"),
+        ({"gradient_clipping": "1.0"}, "gradient_clipping: expected a number, got '1.0'"),
+        ({"gradient_clipping": -1.0}, "gradient_clipping: must be >= 0, got -1.0"),
+        ({"wall_clock_breakdown": 1}, "wall_clock_breakdown: expected true or false, got 1"),
+        ({"fp16": True}, "fp16: expected an object of keys and values, got True"),
+        ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected true or false, got 'yes'"),
+        ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale: must be >= 0, got -1"),
+        ({"optimizer": {"params": {}}}, "optimizer.type: required, but not given"),
+        ({"optimizer": {"type": 3}}, "optimizer.type: expected 'Adam', 'AdamW' or 'SGD', got 3"),
+        (
+            {"optimizer": {"type": "Adam", "params": []}},
+            "optimizer.params: expected an object of keys and values, got []",
+        ),
+        ({"seed": 1.5}, "seed: expected an integer, got 1.5"),
+        (
+            {"communication_data_type": "fp8"},
+            "communication_data_type: expected 'fp32', 'fp16' or 'bf16', got 'fp8'",
+        ),
+        (
+            {"checkpoint": {"tag_validation": "warning"}},
+            "checkpoint.tag_validation: unknown "
+            "tag_validation mode 'warning'; did you mean 'WARN'? (supported: IGNORE, WARN, FAIL)",
+        ),
+        (
+            _zero(offload_param={"nvme_path": 3}),
+            "zero_optimization.offload_param.nvme_path: expected a path (a string), got 3",
+        ),
+    ],
+)
+def test_wrong_values_name_the_expected_type(config: dict[str, Any], problem: str) -> None:
+    assert _problems({"train_batch_size": 1, **config}) == [problem]
+
+
+@pytest.mark.parametrize(
+    ("stage", "problem"),
+    [
+        (4, "zero_optimization.stage: must be 0, 1, 2 or 3, got 4"),
+        (-1, "zero_optimization.stage: must be 0, 1, 2 or 3, got -1"),
+        ("3", "zero_optimization.stage: expected an integer, got '3'"),
+        (True, "zero_optimization.stage: expected an integer, got True"),
+    ],
+)
+def test_bad_stage(stage: Any, problem: str) -> None:
+    assert _problems(_zero(stage=stage)) == [problem]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "what"),
+    [
+        ("reduce_bucket_size", -1, "must be >= 0, got -1"),
+        ("stage3_max_live_parameters", -1e9, "must be >= 0, got -1000000000.0"),
+        ("allgather_bucket_size", 5.5e-1, "expected a whole number, got 0.55"),
+        ("stage3_prefetch_bucket_size", "5e7", "expected an integer, got '5e7'"),
+        ("sub_group_size", float("inf"), "expected a whole number, got inf"),
+    ],
+)
+def test_bad_sizes(key: str, value: Any, what: str) -> None:
+    assert _problems(_zero(**{key: value})) == [f"zero_optimization.{key}: {what}"]
+
+
+def test_unknown_optimizer_suggests_the_closest() -> None:
+    config = {"train_batch_size": 1, "optimizer": {"type": "Adamw8bit"}}
+    assert _problems(config) == [
+        "optimizer.type: unknown optimizer 'Adamw8bit'; did you mean 'AdamW'? "
+        "(supported: Adam, AdamW, SGD)"
+    ]
+
+
+def test_unknown_optimizer_without_a_close_match() -> None:
+    config = {"train_batch_size": 1, "optimizer": {"type": "Lamb"}}
+    assert _problems(config) == [
+        "optimizer.type: unknown optimizer 'Lamb' (supported: Adam, AdamW, SGD)"
+    ]
+
+
+def test_unknown_scheduler_suggests_the_closest() -> None:
+    config = {"train_batch_size": 1, "scheduler": {"type": "WarmupCosine"}}
+    assert _problems(config) == [
+        "scheduler.type: unknown scheduler 'WarmupCosine'; did you mean 'WarmupCosineLR'? "
+        "(supported: WarmupLR, WarmupDecayLR, WarmupCosineLR)"
+    ]
+
+
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+def test_nvme_offload_needs_a_path(section: str) -> None:
+    assert _problems(_zero(stage=3, **{section: {"device": "nvme"}})) == [
+        f"zero_optimization.{section}.nvme_path: required when device is 'nvme'"
+    ]
+
+
+def test_bad_offload_device() -> None:
+    assert _problems(_zero(offload_optimizer={"device": "gpu"})) == [
+        "zero_optimization.offload_optimizer.device: expected 'none', 'cpu' or 'nvme', got 'gpu'"
+    ]
+
+
+@pytest.mark.parametrize("bf16_key", ["bf16", "bfloat16"])
+def test_fp16_and_bf16_together(bf16_key: str) -> None:
+    config = {"train_batch_size": 1, "fp16": {"enabled": True}, bf16_key: {"enabled": True}}
+    assert _problems(config) == [
+        f"{bf16_key}.enabled: fp16 and bf16 cannot both be enabled; disable one of them"
+    ]
+
+
+def test_bf16_under_both_names() -> None:
+    config = {"train_batch_size": 1, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}
+    assert _problems(config) == [
+        "bfloat16: the same key as 'bf16' (DeepSpeed's older name); give only one"
+    ]
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    config = {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "fp16": {"enabled": True},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "Adamm", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 4,
+            "stage3_prefetch_bucket_sise": 5e7,
+            "reduce_bucket_size": -5,
+            "offload_param": {"device": "nvme"},
+        },
+        "wall_clock_breakdown": "no",
+    }
+    assert _problems(config, world_size=2) == [
+        "optimizer.type: unknown optimizer 'Adamm'; did you mean 'Adam'? "
+        "(supported: Adam, AdamW, SGD)",
+        "zero_optimization.stage: must be 0, 1, 2 or 3, got 4",
+        "zero_optimization.reduce_bucket_size: must be >= 0, got -5",
+        "zero_optimization.offload_param.nvme_path: required when device is 'nvme'",
+        "zero_optimization.stage3_prefetch_bucket_sise: unknown key; "
+        "did you mean 'stage3_prefetch_bucket_size'?",
+        "wall_clock_breakdown: expected true or false, got 'no'",
+        "bf16.enabled: fp16 and bf16 cannot both be enabled; disable one of them",
+        "train_batch_size 32 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 2"
+        " * world size 2 = 16",
+    ]
+
+
+def test_config_error_is_a_value_error_and_pickles() -> None:
+    error = ConfigError(["a.b: one", "c: two"])
+    assert isinstance(error, ValueError)
+    assert str(error) == "a.b: one\nc: two"
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.problems == ("a.b: one", "c: two")
+
+
+# --- batch sizes ------------------------------------------------------------------------
+
+TRAIN, MICRO, ACC = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+)
+
+
+@pytest.mark.parametrize(
+    ("given", "world_size", "resolved"),
+    [
+        ({TRAIN: 32}, 1, (32, 32, 1)),
+        ({TRAIN: 32}, 4, (32, 8, 1)),
+        ({MICRO: 4}, 1, (4, 4, 1)),
+        ({MICRO: 4}, 8, (32, 4, 1)),
+        ({TRAIN: 32, MICRO: 4}, 2, (32, 4, 4)),
+        ({TRAIN: 32, ACC: 2}, 2, (32, 8, 2)),
+        ({MICRO: 4, ACC: 2}, 2, (16, 4, 2)),
+        ({TRAIN: 16, MICRO: 4, ACC: 2}, 2, (16, 4, 2)),
+        ({TRAIN: 1}, 1, (1, 1, 1)),
+    ],
+)
+def test_batch_sizes_are_derived(
+    given: dict[str, int], world_size: int, resolved: tuple[int, int, int]
+) -> None:
+    config = load_config(given, world_size=world_size)
+    assert (
+        config.train_batch_size,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+    ) == resolved
+    assert all(
+        type(v) is int
+        for v in (
+            config.train_batch_size,
+            config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "world_size", "problem"),
+    [
+        (
+            {TRAIN: 32, MICRO: 4, ACC: 2},
+            2,
+            "train_batch_size 32 != train_micro_batch_size_per_gpu 4 * "
+            "gradient_accumulation_steps 2 * world size 2 = 16",
+        ),
+        (
+            {TRAIN: 30, MICRO: 4},
+            2,
+            "gradient_accumulation_steps: cannot be derived: train_batch_size 30 is not "
+            "divisible by train_micro_batch_size_per_gpu 4 * world size 2 = 8",
+        ),
+        (
+            {TRAIN: 4, MICRO: 4},
+            2,
+            "gradient_accumulation_steps: cannot be derived: train_batch_size 4 is not "
+            "divisible by train_micro_batch_size_per_gpu 4 * world size 2 = 8",
+        ),
+        (
+            {TRAIN: 30, ACC: 4},
+            2,
+            "train_micro_batch_size_per_gpu: cannot be derived: train_batch_size 30 is not "
+            "divisible by gradient_accumulation_steps 4 * world size 2 = 8",
+        ),
+        (
+            {TRAIN: 3},
+            2,
+            "train_micro_batch_size_per_gpu: cannot be derived: train_batch_size 3 is not "
+            "divisible by gradient_accumulation_steps 1 * world size 2 = 2",
+        ),
+        (
+            {ACC: 4},
+            1,
+            "train_batch_size: not given, and neither is train_micro_batch_size_per_gpu; give "
+            "at least one of them (train_batch_size = train_micro_batch_size_per_gpu * "
+            "gradient_accumulation_steps * world size)",
+        ),
+        ({TRAIN: 0}, 1, "train_batch_size: must be >= 1, got 0"),
+        ({MICRO: 2, ACC: 0}, 1, "gradient_accumulation_steps: must be >= 1, got 0"),
+        ({TRAIN: 8.0}, 1, "train_batch_size: expected an integer, got 8.0"),
+        ({MICRO: "auto"}, 1, "train_micro_batch_size_per_gpu: expected an integer, got 'auto'"),
+    ],
+)
+def test_bad_batch_sizes(given: dict[str, Any], world_size: int, problem: str) -> None:
+    assert _problems(given, world_size) == [problem]

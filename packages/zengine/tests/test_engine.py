@@ -1,0 +1,118 @@
+"""The engine against plain single-process PyTorch: ZeRO stages 0-3 at world sizes 1, 2, 4."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import zcomm
+import zengine
+from zcomm.testing import DistributedTest
+
+from ._models import TinyGPT, global_batches, plain_losses
+
+SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
+STAGES = pytest.mark.parametrize("stage", [0, 1, 2, 3])
+LR = 1e-2
+
+
+def _config(stage: int, *, micro: int = 2, accumulation: int = 1, **extra: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16},
+        **extra,
+    }
+
+
+def _train(engine: zengine.Engine, data: list[torch.Tensor]) -> list[float]:
+    """Each global batch split over accumulation steps and ranks; the global mean losses."""
+    rank, world = zcomm.get_rank(), zcomm.get_world_size()
+    accumulation = engine.gradient_accumulation_steps()
+    losses = []
+    for tokens in data:
+        pieces = tokens.view(accumulation, world, -1, tokens.shape[-1])
+        total = torch.zeros(())
+        for k in range(accumulation):
+            loss = engine(pieces[k, rank])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        zcomm.all_reduce(total, op=zcomm.ReduceOp.AVG)
+        losses.append(total.item() / accumulation)
+    return losses
+
+
+def _run(stage: int, world: int, steps: int = 10, **config: Any) -> tuple[list[float], list[float]]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    cfg = _config(stage, **config)
+    engine, *_ = zengine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    batch = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
+    data = global_batches(steps, batch)
+    clip = float(cfg.get("gradient_clipping", 0.0))
+    return _train(engine, data), plain_losses(reference, data, lr=LR, clip=clip)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    value = zengine.safe_get_full_fp32_param(param)
+    assert value is not None
+    return value.clone()
+
+
+class TestParity(DistributedTest):
+    @SIZES
+    @STAGES
+    def test_fp32_losses_match_plain_pytorch(self, world_size: int, stage: int) -> None:
+        losses, expected = _run(stage, world_size)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @STAGES
+    def test_gradient_accumulation(self, world_size: int, stage: int) -> None:
+        losses, expected = _run(stage, world_size, steps=5, micro=1, accumulation=3)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @STAGES
+    def test_gradient_clipping(self, world_size: int, stage: int) -> None:
+        losses, expected = _run(stage, world_size, steps=5, gradient_clipping=0.05)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+
+    @pytest.mark.parametrize("world_size", [2])
+    @pytest.mark.parametrize("stage", [1, 3])
+    @pytest.mark.parametrize("precision", ["bf16", "fp16"])
+    def test_half_precision_follows_fp32(self, world_size: int, stage: int, precision: str) -> None:
+        half = {precision: {"enabled": True, **({"loss_scale": 0} if precision == "fp16" else {})}}
+        losses, expected = _run(stage, world_size, steps=6, **half)
+        torch.testing.assert_close(losses, expected, rtol=3e-2, atol=0)
+
+
+class TestSteps(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @STAGES
+    def test_step_acts_at_the_boundary_only(self, world_size: int, stage: int) -> None:
+        model = TinyGPT()
+        cfg = _config(stage, micro=1, accumulation=2)
+        engine, *_ = zengine.initialize(model=model, config=cfg)
+        assert engine.train_batch_size() == 2 * world_size
+        tokens = global_batches(1, 1)[0]
+        before = _full(model.head.weight)
+        assert not engine.is_gradient_accumulation_boundary()
+        engine.backward(engine(tokens))
+        engine.step()
+        assert engine.global_steps == 0
+        torch.testing.assert_close(_full(model.head.weight), before)
+        assert engine.is_gradient_accumulation_boundary()
+        engine.backward(engine(tokens))
+        engine.step()
+        assert engine.global_steps == 1
+        assert not torch.equal(_full(model.head.weight), before)
+        assert engine.get_global_grad_norm() is not None
+        assert engine.get_lr() == [LR]
