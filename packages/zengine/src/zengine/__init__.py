@@ -9,7 +9,16 @@ from zengine import utils, zero
 from zengine.__about__ import __version__
 from zengine._config import ConfigError, EngineConfig, load_config
 from zengine._engine import Engine
+from zengine._estimate import (
+    MemoryEstimate,
+    estimate_memory,
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
 from zengine._initialize import initialize
+from zengine._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler
+from zengine._lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zengine._zero_optimizer import ZeroOptimizer
 from zengine.utils import (
     safe_get_full_fp32_param,
@@ -28,10 +37,21 @@ from zengine.utils import (
 
 __all__ = [
     "ConfigError",
+    "DynamicLossScaler",
     "Engine",
     "EngineConfig",
+    "MemoryEstimate",
+    "MinLossScaleError",
+    "StaticLossScaler",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
     "ZeroOptimizer",
     "__version__",
+    "estimate_memory",
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
     "initialize",
     "load_config",
     "safe_get_full_fp32_param",

@@ -1,0 +1,302 @@
+"""How much memory ZeRO-3 model states (params, gradients, optimizer states) need per GPU and CPU.
+
+DeepSpeed's estimator (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs*``)
+with the same names, formulas and printed table. It counts mixed-precision Adam: 2 bytes of
+fp16/bf16 param and 2 of gradient, 12 of fp32 master weights and moments, plus 2 more for
+the fp16 gradient kept when offloaded, i.e. 18 bytes per parameter spread over the GPUs or
+held on the CPUs, and 4 bytes per parameter of the largest layer, which has to be gathered
+whole on each GPU. Activations and temporary buffers are not included;
+``additional_buffer_factor`` pads the CPU figure for pinned-memory and copy buffers.
+
+`estimate_memory` gives the table's rows as `MemoryEstimate` values for code to use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import zcomm
+
+__all__ = [
+    "MemoryEstimate",
+    "estimate_memory",
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
+]
+
+_GB = 2**30
+# The (offload_optimizer, offload_param) choices in DeepSpeed's table order; parameters can
+# only be offloaded together with the optimizer.
+_OFFLOAD_CHOICES = ((True, True), (True, False), (False, False))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One row of the estimate: a ZeRO-3 configuration and the model-state bytes it needs."""
+
+    offload_param: bool
+    """``zero_optimization.offload_param.device == "cpu"``."""
+    offload_optimizer: bool
+    """``zero_optimization.offload_optimizer.device == "cpu"``."""
+    zero_init: bool
+    """The model is built under ``zero.Init``, so no rank ever holds it whole on the CPU."""
+    per_gpu_bytes: int
+    per_cpu_bytes: int
+    """Per node (host), for all the GPUs of the node together."""
+
+    def options(self) -> str:
+        """The options column of DeepSpeed's table."""
+        param = "cpu " if self.offload_param else "none"
+        optimizer = "cpu " if self.offload_optimizer else "none"
+        zero_init = int(self.zero_init)
+        return f"offload_param={param}, offload_optimizer={optimizer}, zero_init={zero_init}"
+
+
+def _check_count(caller: str, name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{caller}({name}=...): expected an int >= {low}, got {value!r}")
+
+
+def _check_args(
+    caller: str,
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int,
+    num_nodes: int,
+    additional_buffer_factor: float,
+) -> None:
+    _check_count(caller, "total_params", total_params, 0)
+    _check_count(caller, "largest_layer_params", largest_layer_params, 0)
+    _check_count(caller, "num_gpus_per_node", num_gpus_per_node, 1)
+    _check_count(caller, "num_nodes", num_nodes, 1)
+    if (
+        isinstance(additional_buffer_factor, bool)
+        or not isinstance(additional_buffer_factor, (int, float))
+        or not additional_buffer_factor > 0
+    ):
+        raise ValueError(
+            f"{caller}(additional_buffer_factor=...): expected a number > 0, "
+            f"got {additional_buffer_factor!r}"
+        )
+
+
+def estimate_zero3_model_states_mem_needs(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
+    """The model-state memory of one ZeRO-3 configuration, in bytes.
+
+    Returns ``(per_cpu_bytes, per_gpu_bytes, largest_layer_memory)``: CPU first, in
+    DeepSpeed's order, so code written against DeepSpeed unpacks it the same way. Use
+    `estimate_memory` for named fields. ``cpu_offload`` is optimizer offload;
+    ``cpu_offload_params`` only counts together with it, as in DeepSpeed.
+    """
+    _check_args(
+        "estimate_zero3_model_states_mem_needs",
+        total_params,
+        largest_layer_params,
+        num_gpus_per_node,
+        num_nodes,
+        additional_buffer_factor,
+    )
+    total_gpus = num_nodes * num_gpus_per_node
+    # The CPU figure is per node: the states spread over the nodes, not over each node's GPUs.
+    per_node = 1 / num_nodes
+    # The largest layer is gathered whole, in fp32-sized slots, on every GPU.
+    largest_layer_memory = 4 * largest_layer_params
+    # Without zero.Init every GPU's process first builds the whole model on the CPU (4 bytes
+    # per param each), which can exceed the steady-state CPU need.
+    whole_model_per_node = 4 * num_gpus_per_node
+    # The operand order below matches DeepSpeed's, so float rounding, and the int() after it,
+    # give the same bytes.
+    if cpu_offload:
+        # Optimizer states (and fp32 master weights, gradients) live on the CPU.
+        per_param = 18 if cpu_offload_params else 16
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+        else:
+            # The fp16 params stay partitioned on the GPUs.
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = total_params * per_param * per_node * additional_buffer_factor
+        else:
+            cpu_mem = (
+                total_params
+                * max(whole_model_per_node, per_param * per_node)
+                * additional_buffer_factor
+            )
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            # Only one layer at a time passes through the CPU on each GPU's process.
+            cpu_mem = largest_layer_params * whole_model_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * whole_model_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+def _estimates(
+    caller: str,
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int,
+    num_nodes: int,
+    additional_buffer_factor: float,
+) -> list[MemoryEstimate]:
+    _check_args(
+        caller,
+        total_params,
+        largest_layer_params,
+        num_gpus_per_node,
+        num_nodes,
+        additional_buffer_factor,
+    )
+    rows = []
+    for offload_optimizer, offload_param in _OFFLOAD_CHOICES:
+        for zero_init in (True, False):
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                total_params=total_params,
+                largest_layer_params=largest_layer_params,
+                num_gpus_per_node=num_gpus_per_node,
+                num_nodes=num_nodes,
+                cpu_offload=offload_optimizer,
+                cpu_offload_params=offload_param,
+                zero_init=zero_init,
+                additional_buffer_factor=additional_buffer_factor,
+            )
+            rows.append(
+                MemoryEstimate(
+                    offload_param=offload_param,
+                    offload_optimizer=offload_optimizer,
+                    zero_init=zero_init,
+                    per_gpu_bytes=gpu,
+                    per_cpu_bytes=cpu,
+                )
+            )
+    return rows
+
+
+def _numel(param: torch.Tensor) -> int:
+    # A ZeRO-3 partitioned parameter's .data is empty; ds_numel is its full size.
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def _param_key(param: nn.Parameter) -> tuple[str, int]:
+    # Distinct Parameter objects over the same storage (DeepSpeed dedups by data_ptr) count
+    # once. Partitioned, meta and empty tensors have no meaningful pointer: count by identity.
+    if (
+        not hasattr(param, "ds_numel")
+        and param.numel() > 0
+        and param.device.type != "meta"
+        and param.data_ptr() != 0
+    ):
+        return ("ptr", param.data_ptr())
+    return ("id", id(param))
+
+
+def _model_params(model: nn.Module) -> tuple[int, int]:
+    """(total params, largest number of params owned directly by one module)."""
+    sizes = {_param_key(p): _numel(p) for p in model.parameters()}
+    largest = 0
+    for module in model.modules():
+        largest = max(largest, sum(_numel(p) for p in module.parameters(recurse=False)))
+    return sum(sizes.values()), largest
+
+
+def estimate_memory(
+    model: nn.Module,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+) -> list[MemoryEstimate]:
+    """The rows of DeepSpeed's ZeRO-3 estimate table for `model`, in the table's order.
+
+    Parameters are counted at full size even when already partitioned (``ds_numel``), so it
+    works before or after ``zero.Init``; a model on the ``meta`` device works too. The largest
+    layer is the module owning the most parameters directly (not through its children).
+    """
+    total, largest = _model_params(model)
+    return _estimates(
+        "estimate_memory", total, largest, num_gpus_per_node, num_nodes, additional_buffer_factor
+    )
+
+
+def _print_table(
+    rows: list[MemoryEstimate],
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int,
+    num_nodes: int,
+) -> None:
+    if zcomm.is_initialized() and zcomm.get_rank() != 0:
+        return
+    nodes = "nodes" if num_nodes > 1 else "node"
+    gpus = "GPUs" if num_gpus_per_node > 1 else "GPU"
+    lines = [
+        "Estimated memory needed for params, optim states and gradients for a:",
+        f"HW: Setup with {num_nodes} {nodes}, {num_gpus_per_node} {gpus} per node.",
+        f"SW: Model with {int(total_params / 1e6)}M total params, "
+        f"{int(largest_layer_params / 1e6)}M largest layer params.",
+        "  per CPU  |  per GPU |   Options",
+    ]
+    lines += [
+        f" {row.per_cpu_bytes / _GB:7.2f}GB | {row.per_gpu_bytes / _GB:6.2f}GB | {row.options()}"
+        for row in rows
+    ]
+    print("\n".join(lines))
+
+
+def estimate_zero3_model_states_mem_needs_all_cold(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+) -> None:
+    """Print DeepSpeed's ZeRO-3 memory table for a model given by its parameter counts.
+
+    For a model that does not exist yet; with the model at hand use
+    `estimate_zero3_model_states_mem_needs_all_live`. Printed on rank 0 only when a process
+    group is up.
+    """
+    rows = _estimates(
+        "estimate_zero3_model_states_mem_needs_all_cold",
+        total_params,
+        largest_layer_params,
+        num_gpus_per_node,
+        num_nodes,
+        additional_buffer_factor,
+    )
+    _print_table(rows, total_params, largest_layer_params, num_gpus_per_node, num_nodes)
+
+
+def estimate_zero3_model_states_mem_needs_all_live(
+    model: nn.Module,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+) -> None:
+    """Print DeepSpeed's ZeRO-3 memory table for `model` (counted as `estimate_memory` does).
+
+    Printed on rank 0 only when a process group is up.
+    """
+    total, largest = _model_params(model)
+    rows = _estimates(
+        "estimate_zero3_model_states_mem_needs_all_live",
+        total,
+        largest,
+        num_gpus_per_node,
+        num_nodes,
+        additional_buffer_factor,
+    )
+    _print_table(rows, total, largest, num_gpus_per_node, num_nodes)

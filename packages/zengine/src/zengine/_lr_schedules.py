@@ -1,0 +1,360 @@
+"""DeepSpeed's warm-up learning-rate schedules: `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`.
+
+Same constructor arguments, same formulas and same stepping protocol as
+``deepspeed.runtime.lr_schedules``, so a config's ``"scheduler"`` section means the same thing
+here (`build_scheduler` turns one into a schedule). Step ``i`` is the ``i``-th call of
+``step()``; with ``W`` the number of warm-up steps (at least 2, as DeepSpeed forces) the
+warm-up factor is
+
+* ``log``: ``log(i + 1) / log(W)``, reaching 1 at ``i = W - 1``;
+* ``linear``: ``i / W``, reaching 1 at ``i = W``.
+
+`WarmupLR` holds the learning rate at ``min_lr + (max_lr - min_lr) * factor`` and then at
+``max_lr``. `WarmupDecayLR` then decays linearly back to ``min_lr`` at ``total_num_steps``.
+`WarmupCosineLR` works in ratios of each group's own learning rate: it warms from
+``warmup_min_ratio`` to 1 and then follows a half cosine down to ``cos_min_ratio``, reached at
+step ``total_num_steps - 1``.
+
+Unlike DeepSpeed, bad arguments raise ``ValueError`` instead of being logged and replaced.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+__all__ = [
+    "WARMUP_LINEAR_RATE",
+    "WARMUP_LOG_RATE",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "WarmupScheduler",
+    "build_scheduler",
+]
+
+WARMUP_LOG_RATE = "log"
+WARMUP_LINEAR_RATE = "linear"
+_WARMUP_TYPES = (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE)
+
+# DeepSpeed never warms up over fewer steps: log(1) would be a division by zero.
+_MIN_WARMUP_STEPS = 2
+
+
+class _HasParamGroups(Protocol):
+    # Any torch optimizer, or a wrapper (ZeRO, fp16) that exposes its param groups.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
+def _check_optimizer(cls: str, optimizer: object) -> _HasParamGroups:
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not groups:
+        raise TypeError(
+            f"{cls}(optimizer=...): expected an optimizer with param_groups, "
+            f"got {type(optimizer).__name__}"
+        )
+    return optimizer  # type: ignore[return-value]  # checked just above
+
+
+def _check_warmup(cls: str, warmup_num_steps: int, warmup_type: str) -> None:
+    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int):
+        raise ValueError(f"{cls}(warmup_num_steps=...): expected an int, got {warmup_num_steps!r}")
+    if warmup_num_steps < 0:
+        raise ValueError(f"{cls}(warmup_num_steps=...): must be >= 0, got {warmup_num_steps}")
+    if warmup_type not in _WARMUP_TYPES:
+        raise ValueError(
+            f"{cls}(warmup_type=...): expected one of {list(_WARMUP_TYPES)}, got {warmup_type!r}"
+        )
+
+
+def _check_total(cls: str, total_num_steps: int, warmup_num_steps: int) -> None:
+    if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int):
+        raise ValueError(f"{cls}(total_num_steps=...): expected an int, got {total_num_steps!r}")
+    if total_num_steps < warmup_num_steps:
+        raise ValueError(
+            f"{cls}(total_num_steps=...): {total_num_steps} is less than "
+            f"warmup_num_steps={warmup_num_steps}"
+        )
+
+
+def _per_group(cls: str, name: str, value: float | Sequence[float], num_groups: int) -> list[float]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_groups:
+            raise ValueError(
+                f"{cls}({name}=...): expected one value per param group ({num_groups}), "
+                f"got {len(value)}"
+            )
+        return [float(v) for v in value]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{cls}({name}=...): expected a number or a list, got {value!r}")
+    return [float(value)] * num_groups
+
+
+def _warmup_factor(warmup_type: str, inverse_log_warmup: float, step: int, steps: int) -> float:
+    # The fraction of the warm-up done at `step` (< steps), 0 at step 0.
+    if warmup_type == WARMUP_LOG_RATE:
+        return inverse_log_warmup * math.log(step + 1)
+    return step / steps
+
+
+class WarmupScheduler(ABC):
+    """What the three schedules share: the stepping protocol and the checkpointed state.
+
+    ``last_batch_iteration`` is the index of the last step taken (-1: none yet). A schedule
+    built with ``last_batch_iteration=-1`` writes its step -1 learning rates into the optimizer
+    at once, as DeepSpeed does; one built to resume (any other value) leaves them alone until
+    the next `step`.
+    """
+
+    def __init__(self, optimizer: _HasParamGroups, last_batch_iteration: int) -> None:
+        self.optimizer = optimizer
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr: list[float] | None = None
+
+    def _start(self) -> None:
+        # Called by subclasses once their fields are set, since get_lr() reads them.
+        if self.last_batch_iteration == -1:
+            self._apply(self.get_lr())
+
+    def _apply(self, lrs: list[float]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    @abstractmethod
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group at ``last_batch_iteration``."""
+
+    def get_last_lr(self) -> list[float]:
+        """The learning rates last written into the optimizer, one per param group."""
+        if self._last_lr is None:
+            raise RuntimeError(f"{type(self).__name__}.get_last_lr(): call step() first")
+        return list(self._last_lr)
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """Advance to `last_batch_iteration` (default: the next step) and set the lrs for it."""
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._apply(self.get_lr())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the schedule; everything else comes from the constructor."""
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Resume at the position `sd` saved.
+
+        Like DeepSpeed this does not touch the optimizer: its own state dict restores the
+        learning rates, and the next `step` sets them from the schedule.
+        """
+        self.last_batch_iteration = int(sd["last_batch_iteration"])
+
+
+class WarmupLR(WarmupScheduler):
+    """Warm each group's lr up from `warmup_min_lr` to `warmup_max_lr`, then hold it there.
+
+    Args:
+        optimizer: a torch optimizer (or anything exposing its ``param_groups``).
+        warmup_min_lr: the lr at step 0; a float, or one per param group.
+        warmup_max_lr: the lr after warm-up; a float, or one per param group.
+        warmup_num_steps: the warm-up length (raised to 2 if smaller, as in DeepSpeed).
+        warmup_type: ``"log"`` or ``"linear"``.
+        last_batch_iteration: the last step taken; -1 to start from scratch.
+    """
+
+    def __init__(
+        self,
+        optimizer: _HasParamGroups,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        name = type(self).__name__
+        optimizer = _check_optimizer(name, optimizer)
+        _check_warmup(name, warmup_num_steps, warmup_type)
+        super().__init__(optimizer, last_batch_iteration)
+        num_groups = len(optimizer.param_groups)
+        self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, num_groups)
+        self.max_lrs = _per_group(name, "warmup_max_lr", warmup_max_lr, num_groups)
+        self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs, strict=True)]
+        self.warmup_num_steps = max(_MIN_WARMUP_STEPS, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+        self._start()
+
+    def _gamma(self) -> float:
+        # The interpolation factor between min and max lr at the current step.
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return _warmup_factor(
+                self.warmup_type,
+                self.inverse_log_warm_up,
+                self.last_batch_iteration,
+                self.warmup_num_steps,
+            )
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        """``min_lr + (max_lr - min_lr) * gamma`` per group; ``min_lr`` before the first step."""
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma()
+        return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs, strict=True)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """`WarmupLR`, then a linear decay from `warmup_max_lr` to `warmup_min_lr` at `total_num_steps`.
+
+    Args:
+        optimizer: a torch optimizer (or anything exposing its ``param_groups``).
+        total_num_steps: the step at which the lr is back at `warmup_min_lr`; at least
+            `warmup_num_steps`.
+        warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration:
+            as for `WarmupLR`.
+    """
+
+    def __init__(
+        self,
+        optimizer: _HasParamGroups,
+        total_num_steps: int,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        _check_warmup(type(self).__name__, warmup_num_steps, warmup_type)
+        _check_total(type(self).__name__, total_num_steps, warmup_num_steps)
+        self.total_num_steps = total_num_steps
+        super().__init__(
+            optimizer,
+            warmup_min_lr,
+            warmup_max_lr,
+            warmup_num_steps,
+            warmup_type,
+            last_batch_iteration,
+        )
+
+    def _gamma(self) -> float:
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return super()._gamma()
+        remaining = self.total_num_steps - self.last_batch_iteration
+        # max(1, ...) keeps total == warmup from dividing by zero; the lr is then 0 at once.
+        return max(0.0, remaining / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(WarmupScheduler):
+    """Warm up from ``warmup_min_ratio`` x lr to lr, then a half cosine to ``cos_min_ratio`` x lr.
+
+    The lr of each group when the schedule is built is its peak; the schedule multiplies it by
+    a ratio, so groups with different lrs keep their proportions.
+
+    Args:
+        optimizer: a torch optimizer (or anything exposing its ``param_groups``).
+        total_num_steps: the cosine reaches its minimum at step ``total_num_steps - 1`` (DeepSpeed
+            counts its steps from 1) and rises again after; at least `warmup_num_steps`.
+        warmup_min_ratio: the ratio at step 0.
+        warmup_num_steps: the warm-up length (raised to 2 if smaller, as in DeepSpeed).
+        cos_min_ratio: the ratio at `total_num_steps`.
+        warmup_type: ``"log"`` or ``"linear"``.
+        last_batch_iteration: the last step taken; -1 to start from scratch.
+    """
+
+    def __init__(
+        self,
+        optimizer: _HasParamGroups,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        name = type(self).__name__
+        optimizer = _check_optimizer(name, optimizer)
+        _check_warmup(name, warmup_num_steps, warmup_type)
+        _check_total(name, total_num_steps, warmup_num_steps)
+        super().__init__(optimizer, last_batch_iteration)
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = float(warmup_min_ratio)
+        self.cos_min_ratio = float(cos_min_ratio)
+        self.warmup_num_steps = max(_MIN_WARMUP_STEPS, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+        # The peaks, read before _start() overwrites the groups' lrs.
+        self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        self._start()
+
+    def get_lr_ratio(self) -> float:
+        """The factor applied to every group's peak lr at ``last_batch_iteration``."""
+        step = self.last_batch_iteration
+        if step < 0:
+            return 0.0
+        if step < self.warmup_num_steps:
+            factor = _warmup_factor(
+                self.warmup_type, self.inverse_log_warm_up, step, self.warmup_num_steps
+            )
+            return self.warmup_min_ratio + factor * (1.0 - self.warmup_min_ratio)
+        # DeepSpeed counts the first step after warm-up as cosine step 1, not 0.
+        cos_step = step - self.warmup_num_steps + 1
+        cos_steps = self.total_num_steps - self.warmup_num_steps
+        if cos_steps <= 0:
+            # Nothing left to decay over (DeepSpeed divides by zero here): stay at the end.
+            return max(0.0, self.cos_min_ratio)
+        half_cosine = (1.0 + math.cos(math.pi * cos_step / cos_steps)) / 2.0
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * half_cosine)
+
+    def get_lr(self) -> list[float]:
+        """Each group's peak lr times `get_lr_ratio`; 0 before the first step, as DeepSpeed."""
+        ratio = self.get_lr_ratio()
+        return [lr * ratio for lr in self.org_lrs]
+
+
+_SCHEDULERS: dict[str, type[WarmupScheduler]] = {
+    "WarmupLR": WarmupLR,
+    "WarmupDecayLR": WarmupDecayLR,
+    "WarmupCosineLR": WarmupCosineLR,
+}
+
+
+def build_scheduler(
+    type_name: str, optimizer: _HasParamGroups, params: Mapping[str, Any] | None = None
+) -> WarmupScheduler:
+    """Build the schedule a DeepSpeed config's ``"scheduler"`` section names.
+
+    ``{"scheduler": {"type": "WarmupDecayLR", "params": {...}}}`` becomes
+    ``build_scheduler("WarmupDecayLR", optimizer, {...})``. Names are case-sensitive, as in
+    DeepSpeed; `params` are the constructor's keyword arguments other than `optimizer`.
+
+    Raises:
+        ValueError: an unknown `type_name`, an unknown or missing parameter, or a bad value.
+    """
+    cls = _SCHEDULERS.get(type_name)
+    if cls is None:
+        raise ValueError(
+            f"build_scheduler: unknown scheduler type {type_name!r}; "
+            f"expected one of {list(_SCHEDULERS)}"
+        )
+    params = dict(params or {})
+    signature = inspect.signature(cls.__init__)
+    accepted = [name for name in signature.parameters if name not in ("self", "optimizer")]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"build_scheduler: unknown parameter(s) {unknown} for {type_name}; "
+            f"valid ones are {accepted}"
+        )
+    missing = [
+        name
+        for name in accepted
+        if signature.parameters[name].default is inspect.Parameter.empty and name not in params
+    ]
+    if missing:
+        raise ValueError(f"build_scheduler: {type_name} needs parameter(s) {missing}")
+    return cls(optimizer, **params)

@@ -1,0 +1,194 @@
+"""The engine's other promises: memory of model states, bad configs, safe_get_*, fp16 overflow,
+the user's own optimizer and scheduler, progress lines."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zcomm
+import zengine
+from zcomm.testing import DistributedTest
+
+from ._models import TinyGPT, global_batches
+
+SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
+
+
+def _config(stage: int = 3, **extra: object) -> dict[str, object]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16},
+        **extra,
+    }
+
+
+def _step(engine: zengine.Engine, tokens: torch.Tensor) -> torch.Tensor:
+    loss = engine(tokens)
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
+class TestModelStateMemory(DistributedTest):
+    @pytest.mark.parametrize("world_size", [2, 4])
+    def test_stage3_holds_16_bytes_per_parameter_over_ranks(self, world_size: int) -> None:
+        model = TinyGPT(blocks=3)
+        numels = [p.numel() for p in model.parameters()]
+        engine, optimizer, *_ = zengine.initialize(
+            model=model, config=_config(bf16={"enabled": True})
+        )
+        _step(engine, global_batches(1, 2)[0])
+        held = optimizer.partitions.fp32_partitions_flat.nbytes
+        held += optimizer.grad_partitions_flat_buffer.nbytes
+        held += sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.dim())
+        handle = engine.partitioned
+        assert handle is not None
+        held += sum(u.shard.nbytes for u in handle.units)
+        persistent = [p for p in model.parameters() if p.ds_persist]
+        held += sum(p.numel() * p.element_size() for p in persistent)  # gathered for good
+        shards = sum(math.ceil(n / world_size) for n in numels)
+        expected = 16 * shards + 2 * sum(p.ds_numel for p in persistent)
+        assert expected <= held <= expected + 16 * len(numels)  # shard alignment, at most
+        assert held < 16 * sum(numels) / world_size * 1.25
+
+
+class TestBadConfig(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1])
+    def test_an_error_names_the_key_and_nothing_starts(self, world_size: int) -> None:
+        model = TinyGPT()
+        before = [p.detach().clone() for p in model.parameters()]
+        bad = _config(zero_optimization={"stage": 3, "stage3_prefetch_bucket_sise": 10})
+        with pytest.raises(zengine.ConfigError, match=r"stage3_prefetch_bucket_sise.*did you mean"):
+            zengine.initialize(model=model, config=bad)
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert not hasattr(p, "ds_id")
+            torch.testing.assert_close(p, b)  # untouched: not partitioned, not moved
+        engine, *_ = zengine.initialize(model=model, config=_config(stage=0))
+        with pytest.raises(TypeError, match="loss must be a tensor of one element"):
+            engine.backward(torch.ones(3))
+        with pytest.raises(ValueError, match="no optimizer"):
+            zengine.initialize(model=TinyGPT(), config={"train_batch_size": 2})
+
+
+class TestSafeGet(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+    def test_full_and_local_views(self, world_size: int, stage: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        originals = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine, *_ = zengine.initialize(model=model, config=_config(stage))
+        for name, p in model.named_parameters():
+            full = zengine.safe_get_full_fp32_param(p)
+            assert full is not None
+            assert full.shape == shapes[name]
+            torch.testing.assert_close(full, originals[name])
+        _step(engine, global_batches(1, 2 * world_size)[0].chunk(world_size)[zcomm.get_rank()])
+        weight = model.head.weight
+        avg = zengine.safe_get_full_optimizer_state(weight, "exp_avg")
+        local = zengine.safe_get_local_optimizer_state(weight, "exp_avg")
+        assert avg is not None
+        assert local is not None
+        assert avg.shape == shapes["head.weight"]
+        assert local.numel() <= avg.numel()
+        zengine.safe_set_full_fp32_param(weight, torch.full(shapes["head.weight"], 0.5))
+        full = zengine.safe_get_full_fp32_param(weight)
+        assert full is not None
+        assert torch.equal(full, torch.full(shapes["head.weight"], 0.5))
+        with pytest.raises(KeyError, match="no optimizer state 'nope'"):
+            zengine.safe_get_local_optimizer_state(weight, "nope")
+        assert zengine.safe_get_full_fp32_param(nn.Parameter(torch.ones(2))) is None
+
+
+class TestFp16(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_overflow_skips_the_step_and_lowers_the_scale(
+        self, world_size: int, stage: int
+    ) -> None:
+        model = TinyGPT()
+        fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+        engine, optimizer, *_ = zengine.initialize(model=model, config=_config(stage, fp16=fp16))
+        tokens = global_batches(1, 2)[0]
+        _step(engine, tokens)
+        masters = optimizer.partitions.fp32_partitions_flat.clone()
+        scale = optimizer.cur_scale
+        loss = engine(tokens)
+        engine.backward(loss * float("inf") if zcomm.get_rank() == 0 else loss)
+        engine.step()
+        assert optimizer.cur_scale == scale / 2
+        assert optimizer.skipped_steps == 1
+        assert torch.equal(optimizer.partitions.fp32_partitions_flat, masters)
+        assert torch.isfinite(optimizer.partitions.fp32_partitions_flat).all()
+        _step(engine, tokens)  # and training goes on
+        assert not torch.equal(optimizer.partitions.fp32_partitions_flat, masters)
+
+
+class TestUserOptimizerAndScheduler(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_optimizer_instance_and_scheduler(self, world_size: int) -> None:
+        model = TinyGPT()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        cfg = {k: v for k, v in _config().items() if k != "optimizer"}
+        engine, optimizer, _, sched = zengine.initialize(
+            model=model, optimizer=opt, lr_scheduler=scheduler, config=cfg
+        )
+        assert optimizer.optimizer is opt
+        assert sched is scheduler
+        tokens = global_batches(1, 2)[0]
+        _step(engine, tokens)
+        _step(engine, tokens)
+        assert engine.get_lr() == [0.125]
+        assert "momentum_buffer" in opt.state[optimizer.partitions.masters[0]]
+
+    @pytest.mark.parametrize("world_size", [1])
+    def test_config_scheduler_and_optimizer_class(self, world_size: int) -> None:
+        cfg = _config(
+            scheduler={
+                "type": "WarmupLR",
+                "params": {"warmup_max_lr": 0.1, "warmup_num_steps": 4, "warmup_type": "linear"},
+            }
+        )
+        cfg.pop("optimizer")
+        engine, _, _, sched = zengine.initialize(
+            model=TinyGPT(), optimizer=lambda groups: torch.optim.SGD(groups, lr=1.0), config=cfg
+        )
+        tokens = global_batches(1, 2)[0]
+        lrs = []
+        for _ in range(5):
+            _step(engine, tokens)
+            lrs.append(engine.get_lr()[0])
+        assert lrs == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1])  # DeepSpeed: lr(0) = min
+        assert sched is engine.lr_scheduler
+
+
+class TestProgress(DistributedTest):
+    @pytest.mark.parametrize("world_size", [2])
+    def test_a_line_every_steps_per_print_on_rank_0(self, world_size: int) -> None:
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("zengine").addHandler(handler)
+        try:
+            cfg = _config(steps_per_print=2, wall_clock_breakdown=True)
+            engine, *_ = zengine.initialize(model=TinyGPT(), config=cfg)
+            for _ in range(4):
+                _step(engine, global_batches(1, 2)[0])
+        finally:
+            logging.getLogger("zengine").removeHandler(handler)
+        progress = [line for line in lines if line.startswith("step=")]
+        if zcomm.get_rank() == 0:
+            assert [line.split()[0] for line in progress] == ["step=2", "step=4"]
+            assert all("samples/s=" in line and "peak_mem=" in line for line in progress)
+            assert any(line.startswith("time per step: forward") for line in lines)
+        else:
+            assert progress == []

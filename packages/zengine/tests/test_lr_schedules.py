@@ -1,0 +1,284 @@
+"""The warm-up schedules against values worked out by hand from DeepSpeed's formulas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from zengine._lr_schedules import (
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    WarmupScheduler,
+    build_scheduler,
+)
+
+
+def _sgd(*lrs: float) -> torch.optim.SGD:
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs]
+    return torch.optim.SGD(groups, lr=lrs[0])
+
+
+def _lrs_at(schedule: WarmupScheduler, steps: list[int]) -> dict[int, list[float]]:
+    """Call step() once per step up to max(steps); record the optimizer's lrs at `steps`."""
+    seen: dict[int, list[float]] = {}
+    for i in range(max(steps) + 1):
+        schedule.step()
+        assert schedule.last_batch_iteration == i
+        if i in steps:
+            seen[i] = [g["lr"] for g in schedule.optimizer.param_groups]
+            assert schedule.get_last_lr() == seen[i]
+    return seen
+
+
+# --- WarmupLR ---------------------------------------------------------------------------------
+
+
+def test_warmup_lr_log():
+    opt = _sgd(1.0)
+    schedule = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10)
+    # Built from scratch, the optimizer starts at min_lr (not at its own 1.0).
+    assert opt.param_groups[0]["lr"] == 0.0
+    assert schedule.get_last_lr() == [0.0]
+    seen = _lrs_at(schedule, [0, 4, 9, 10, 50])
+    assert seen[0] == [0.0]  # log(1) / log(10)
+    assert seen[4] == [pytest.approx(0.0698970004)]  # 0.1 * log(5) / log(10)
+    assert seen[9] == [pytest.approx(0.1)]  # log(10) / log(10): full lr one step early
+    assert seen[10] == [0.1]
+    assert seen[50] == [0.1]
+
+
+def test_warmup_lr_linear():
+    schedule = WarmupLR(
+        _sgd(1.0),
+        warmup_min_lr=0.02,
+        warmup_max_lr=0.12,
+        warmup_num_steps=10,
+        warmup_type="linear",
+    )
+    seen = _lrs_at(schedule, [0, 5, 9, 10, 11])
+    assert seen[0] == [pytest.approx(0.02)]
+    assert seen[5] == [pytest.approx(0.07)]  # 0.02 + 0.1 * 5/10
+    assert seen[9] == [pytest.approx(0.11)]  # linear reaches max only at step W
+    assert seen[10] == [pytest.approx(0.12)]
+    assert seen[11] == [pytest.approx(0.12)]
+
+
+def test_warmup_lr_per_group_values():
+    opt = _sgd(1.0, 1.0)
+    schedule = WarmupLR(
+        opt,
+        warmup_min_lr=[0.0, 0.01],
+        warmup_max_lr=(0.1, 0.21),
+        warmup_num_steps=4,
+        warmup_type="linear",
+    )
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.01]
+    seen = _lrs_at(schedule, [2, 4])
+    assert seen[2] == [pytest.approx(0.05), pytest.approx(0.11)]
+    assert seen[4] == [pytest.approx(0.1), pytest.approx(0.21)]
+
+
+def test_warmup_lr_scalar_applies_to_every_group():
+    opt = _sgd(1.0, 2.0, 3.0)
+    schedule = WarmupLR(opt, warmup_max_lr=0.3, warmup_num_steps=3, warmup_type="linear")
+    assert _lrs_at(schedule, [3])[3] == [0.3, 0.3, 0.3]
+
+
+def test_warmup_steps_below_two_are_raised_to_two():
+    # DeepSpeed's rule: log(1) would divide by zero.
+    schedule = WarmupLR(_sgd(1.0), warmup_max_lr=1.0, warmup_num_steps=0, warmup_type="linear")
+    assert schedule.warmup_num_steps == 2
+    seen = _lrs_at(schedule, [0, 1, 2])
+    assert seen == {0: [0.0], 1: [0.5], 2: [1.0]}
+
+
+def test_explicit_step_index():
+    schedule = WarmupLR(_sgd(1.0), warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
+    schedule.step(7)
+    assert schedule.last_batch_iteration == 7
+    assert schedule.get_last_lr() == [pytest.approx(0.07)]
+    schedule.step()
+    assert schedule.get_last_lr() == [pytest.approx(0.08)]
+
+
+# --- WarmupDecayLR ----------------------------------------------------------------------------
+
+
+def test_warmup_decay_lr_linear():
+    schedule = WarmupDecayLR(
+        _sgd(1.0),
+        total_num_steps=30,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.1,
+        warmup_num_steps=10,
+        warmup_type="linear",
+    )
+    seen = _lrs_at(schedule, [0, 5, 10, 20, 29, 30, 35])
+    assert seen[0] == [0.0]
+    assert seen[5] == [pytest.approx(0.05)]
+    assert seen[10] == [pytest.approx(0.1)]  # (30 - 10) / (30 - 10)
+    assert seen[20] == [pytest.approx(0.05)]  # (30 - 20) / 20
+    assert seen[29] == [pytest.approx(0.005)]  # (30 - 29) / 20
+    assert seen[30] == [0.0]
+    assert seen[35] == [0.0]  # clamped, never negative
+
+
+def test_warmup_decay_lr_log_warmup_then_decay_from_max():
+    schedule = WarmupDecayLR(
+        _sgd(1.0), total_num_steps=20, warmup_min_lr=0.01, warmup_max_lr=0.11, warmup_num_steps=5
+    )
+    seen = _lrs_at(schedule, [1, 4, 5, 15])
+    assert seen[1] == [pytest.approx(0.0530676558)]  # 0.01 + 0.1 * log(2) / log(5)
+    assert seen[4] == [pytest.approx(0.11)]
+    assert seen[5] == [pytest.approx(0.11)]  # decay: min + delta * (20 - 5) / 15
+    assert seen[15] == [pytest.approx(0.0433333333)]  # 0.01 + 0.1 * 5 / 15
+
+
+def test_warmup_decay_lr_total_equal_to_warmup():
+    schedule = WarmupDecayLR(
+        _sgd(1.0), total_num_steps=4, warmup_max_lr=0.1, warmup_num_steps=4, warmup_type="linear"
+    )
+    seen = _lrs_at(schedule, [3, 4, 5])
+    assert seen == {3: [pytest.approx(0.075)], 4: [0.0], 5: [0.0]}
+
+
+# --- WarmupCosineLR ---------------------------------------------------------------------------
+
+
+def _cosine(**kw):
+    opt = _sgd(0.2, 0.02)
+    args: dict[str, Any] = {
+        "total_num_steps": 20,
+        "warmup_min_ratio": 0.1,
+        "warmup_num_steps": 10,
+        "cos_min_ratio": 0.01,
+        "warmup_type": "linear",
+    }
+    args.update(kw)
+    return opt, WarmupCosineLR(opt, **args)
+
+
+def test_warmup_cosine_lr_linear():
+    opt, schedule = _cosine()
+    # Before the first step DeepSpeed sets every lr to 0; the peaks were read before that.
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]
+    assert schedule.org_lrs == [0.2, 0.02]
+    seen = _lrs_at(schedule, [0, 5, 9, 10, 14, 19, 20])
+    assert seen[0] == [pytest.approx(0.02), pytest.approx(0.002)]  # ratio 0.1
+    assert seen[5] == [pytest.approx(0.11), pytest.approx(0.011)]  # 0.1 + 0.9 * 0.5
+    assert seen[9] == [pytest.approx(0.182), pytest.approx(0.0182)]  # 0.1 + 0.9 * 0.9
+    # Cosine step 1 of 10: 0.01 + 0.99 * (1 + cos(pi / 10)) / 2 = 0.9757729...
+    assert seen[10] == [pytest.approx(0.1951546), pytest.approx(0.01951546)]
+    assert seen[14] == [pytest.approx(0.101), pytest.approx(0.0101)]  # half way: 0.505
+    assert seen[19] == [pytest.approx(0.002), pytest.approx(0.0002)]  # cos(pi): cos_min_ratio
+    # Past the end the cosine turns back up, as in DeepSpeed: 0.01 + 0.99 * 0.0244717 = 0.0342270
+    assert seen[20] == [pytest.approx(0.00684540), pytest.approx(0.000684540)]
+
+
+def test_warmup_cosine_lr_log():
+    _, schedule = _cosine(warmup_type="log", warmup_min_ratio=0.0)
+    seen = _lrs_at(schedule, [0, 3, 9])
+    assert seen[0] == [0.0, 0.0]
+    assert seen[3] == [pytest.approx(0.1204119983), pytest.approx(0.01204119983)]  # log 4/log 10
+    assert seen[9] == [pytest.approx(0.2), pytest.approx(0.02)]
+    assert schedule.get_lr_ratio() == pytest.approx(1.0)
+
+
+def test_warmup_cosine_lr_total_equal_to_warmup_stays_at_min():
+    _, schedule = _cosine(total_num_steps=10)
+    seen = _lrs_at(schedule, [10, 11])
+    assert seen[10] == [pytest.approx(0.002), pytest.approx(0.0002)]
+    assert seen[11] == seen[10]
+
+
+# --- state ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw"),
+    [
+        (WarmupLR, {"warmup_max_lr": 0.1, "warmup_num_steps": 10}),
+        (WarmupDecayLR, {"total_num_steps": 30, "warmup_max_lr": 0.1, "warmup_num_steps": 10}),
+        (WarmupCosineLR, {"total_num_steps": 30, "warmup_num_steps": 10}),
+    ],
+)
+def test_state_dict_round_trip(cls, kw):
+    first = cls(_sgd(0.3, 0.03), **kw)
+    for _ in range(17):
+        first.step()
+    sd = first.state_dict()
+    assert sd == {"last_batch_iteration": 16}
+
+    second = cls(_sgd(0.3, 0.03), **kw)
+    second.load_state_dict(sd)
+    assert second.last_batch_iteration == 16
+    for _ in range(5):
+        first.step()
+        second.step()
+        assert second.get_last_lr() == first.get_last_lr()
+        assert [g["lr"] for g in second.optimizer.param_groups] == first.get_last_lr()
+
+
+def test_resume_with_last_batch_iteration_leaves_optimizer_alone():
+    opt = _sgd(0.5)
+    schedule = WarmupLR(opt, warmup_max_lr=0.1, warmup_num_steps=10, last_batch_iteration=4)
+    assert opt.param_groups[0]["lr"] == 0.5
+    with pytest.raises(RuntimeError, match="step"):
+        schedule.get_last_lr()
+    schedule.step()
+    assert schedule.last_batch_iteration == 5
+    assert schedule.get_last_lr() == [pytest.approx(0.1 * 0.7781512504)]  # log(6) / log(10)
+
+
+# --- bad arguments ----------------------------------------------------------------------------
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="warmup_num_steps"):
+        WarmupLR(_sgd(1.0), warmup_num_steps=-1)
+    with pytest.raises(ValueError, match="warmup_type"):
+        WarmupLR(_sgd(1.0), warmup_type="cosine")
+    with pytest.raises(ValueError, match="warmup_type"):
+        WarmupCosineLR(_sgd(1.0), 100, warmup_type="exp")
+    with pytest.raises(ValueError, match="total_num_steps"):
+        WarmupDecayLR(_sgd(1.0), total_num_steps=5, warmup_num_steps=10)
+    with pytest.raises(ValueError, match="total_num_steps"):
+        WarmupCosineLR(_sgd(1.0), total_num_steps=5, warmup_num_steps=10)
+    with pytest.raises(ValueError, match="warmup_min_lr"):
+        WarmupLR(_sgd(1.0, 1.0), warmup_min_lr=[0.0])
+    with pytest.raises(TypeError, match="param_groups"):
+        WarmupLR(object())  # type: ignore[arg-type]
+
+
+# --- build_scheduler --------------------------------------------------------------------------
+
+
+def test_build_scheduler_from_config_section():
+    opt = _sgd(1.0)
+    params = {
+        "total_num_steps": 30,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.1,
+        "warmup_num_steps": 10,
+        "warmup_type": "linear",
+    }
+    schedule = build_scheduler("WarmupDecayLR", opt, params)
+    assert isinstance(schedule, WarmupDecayLR)
+    assert _lrs_at(schedule, [20])[20] == [pytest.approx(0.05)]
+    assert isinstance(build_scheduler("WarmupLR", _sgd(1.0), {}), WarmupLR)
+    cosine = build_scheduler("WarmupCosineLR", _sgd(1.0), {"total_num_steps": 1000})
+    assert isinstance(cosine, WarmupCosineLR)
+
+
+def test_build_scheduler_rejects_unknown_names():
+    with pytest.raises(ValueError, match=r"'warmuplr'.*WarmupLR.*WarmupDecayLR.*WarmupCosineLR"):
+        build_scheduler("warmuplr", _sgd(1.0), {})
+    with pytest.raises(ValueError, match=r"\['max_lr'\].*warmup_max_lr"):
+        build_scheduler("WarmupLR", _sgd(1.0), {"max_lr": 0.1})
+    with pytest.raises(ValueError, match="total_num_steps"):
+        build_scheduler("WarmupDecayLR", _sgd(1.0), {"warmup_num_steps": 10})
+    with pytest.raises(ValueError, match="warmup_type"):
+        build_scheduler("WarmupLR", _sgd(1.0), {"warmup_type": "Linear"})
