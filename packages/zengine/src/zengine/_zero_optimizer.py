@@ -143,12 +143,13 @@ class ZeroOptimizer:
 
     def _norm_and_overflow(self, grads: torch.Tensor) -> tuple[float, bool]:
         """The squared global gradient norm (of the scaled gradients) and whether any rank
-        holds an inf or NaN, with one all-reduce for both."""
-        stats = torch.stack([grads.double().square().sum(), (~torch.isfinite(grads)).sum()])
+        holds an inf or NaN: one pass over the gradients (an inf or NaN anywhere makes the
+        norm one), one all-reduce."""
+        norm_sq = torch.linalg.vector_norm(grads, dtype=torch.float32).square()
         if self.stage > 0:  # stage 0 ranks hold the same averaged gradients: nothing to sum
-            zcomm.all_reduce(stats, group=self.group)
-        norm_sq, bad = stats.tolist()
-        return norm_sq, bad > 0 or not math.isfinite(norm_sq)
+            zcomm.all_reduce(norm_sq, group=self.group)
+        value = float(norm_sq)
+        return value, not math.isfinite(value)
 
     def destroy(self) -> None:
         """Drop the state and the flat buffers (the engine is done with them)."""
