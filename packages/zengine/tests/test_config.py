@@ -129,9 +129,10 @@ def test_overlap_comm_defaults_to_stage_3(keys: dict[str, Any], expected: bool) 
 
 
 def test_zero_param_config_defaults_match_zpartition() -> None:
-    assert load_config({"train_batch_size": 1}, world_size=1).zero_param_config() == (
-        ZeroParamConfig()
-    )
+    stage3 = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    assert load_config(stage3, world_size=1).zero_param_config() == ZeroParamConfig()
+    off = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "overlap_comm": False}}
+    assert not load_config(off, world_size=1).zero_param_config().overlap_comm
 
 
 # --- values -----------------------------------------------------------------------------

@@ -27,6 +27,10 @@ CONFIGS = {
     ),
     "persistent": ZeroParamConfig(),
     "some-persistent": ZeroParamConfig(param_persistence_threshold=48),
+    "small-buckets-sync": ZeroParamConfig(
+        param_persistence_threshold=0, reduce_bucket_size=700, overlap_comm=False
+    ),
+    "small-buckets-overlap": ZeroParamConfig(param_persistence_threshold=0, reduce_bucket_size=700),
     "granularity": ZeroParamConfig(
         param_persistence_threshold=0, module_granularity_threshold=10**6
     ),

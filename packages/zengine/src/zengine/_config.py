@@ -121,6 +121,7 @@ class EngineConfig(_Sections):
             max_live_parameters=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
             reduce_bucket_size=zero.reduce_bucket_size,
+            overlap_comm=zero.overlap_comm,
             module_granularity_threshold=zero.stage3_module_granularity_threshold,
         )
 

@@ -29,12 +29,18 @@ class ZeroParamConfig:
     """A parameter used again within this many gathered elements is kept, not released."""
     reduce_bucket_size: int = 500_000_000
     """Gradients of finished modules are reduce-scattered together once this many wait."""
+    overlap_comm: bool = True
+    """Leave each bucket's reduce-scatter in flight while backward goes on (done at its end)."""
     module_granularity_threshold: int = 0
     """Modules whose parameters per layer are at most this become leaves (0: none)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.type == "bool":
+                if not isinstance(value, bool):
+                    raise TypeError(f"ZeroParamConfig.{field.name} must be a bool, got {value!r}")
+                continue
             if isinstance(value, float) and value.is_integer():
                 object.__setattr__(self, field.name, int(value))  # JSON configs write 1e5
             elif not isinstance(value, int) or isinstance(value, bool):

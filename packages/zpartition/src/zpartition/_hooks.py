@@ -98,6 +98,7 @@ class State:
         self.pending_numel = 0
         self.late_gradients = False  # gradients taken at the end of backward (see install)
         self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
+        self.reducing: list[Callable[[], None]] = []  # reduce-scatters in flight, to finish
 
     # -- registration ----------------------------------------------------------------------
 
@@ -265,7 +266,13 @@ class State:
 
     def _flush(self) -> None:
         pending, self.pending, self.pending_numel = self.pending, [], 0
-        reduce_units(pending, self.sink)
+        overlap = self.coordinator.config.overlap_comm
+        self.reducing.append(reduce_units(pending, self.sink, overlap=overlap))
+
+    def _finish_reductions(self) -> None:
+        reducing, self.reducing = self.reducing, []
+        for finish in reducing:
+            finish()
 
     def _start_backward(self) -> None:
         self.in_backward = True
@@ -279,6 +286,7 @@ class State:
             elif unit.ready:
                 self._gradients_done(unit)  # the missing gradients count as zeros
         self._flush()
+        self._finish_reductions()
         self.channel.agree(Kind.END_BACKWARD, [])
         self.coordinator.release_all()
 

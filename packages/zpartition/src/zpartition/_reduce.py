@@ -44,17 +44,24 @@ def keep_local(unit: Unit, sink: GradientSink | None = None) -> None:
                 shard.grad.add_(grad.view(-1))
 
 
-def reduce_units(units: Sequence[Unit], sink: GradientSink | None = None) -> None:
+def reduce_units(
+    units: Sequence[Unit], sink: GradientSink | None = None, *, overlap: bool = False
+) -> Callable[[], None]:
     """Average the full gradients of `units` across ranks into each rank's shard gradients
-    (accumulating over backward passes) and drop the full gradients."""
+    (accumulating over backward passes) and drop the full gradients.
+
+    Returns what finishes the job: with `overlap` the reduce-scatters are left in flight (the
+    rest of backward runs meanwhile) and the returned function waits and accumulates; without,
+    it is done already and the function does nothing."""
     if not units:
-        return
+        return _nothing
     channel = units[0].channel
     channel.agree(Kind.REDUCE, [u.uid for u in units])
     by_dtype: dict[torch.dtype, list[tuple[Unit, _GradGroup]]] = {}
     for u in units:
         for group in u.grad_groups:
             by_dtype.setdefault(group.dtype, []).append((u, group))
+    finish: _Finish = []
     for dtype, parts in by_dtype.items():
         width = sum(g.width for _, g in parts)
         rows = torch.zeros(channel.size, width, dtype=dtype, device=units[0].device)
@@ -63,7 +70,27 @@ def reduce_units(units: Sequence[Unit], sink: GradientSink | None = None) -> Non
             _fill(u, group, rows[:, start : start + group.width])
             start += group.width
         mine = rows.new_empty(width)
-        zcomm.reduce_scatter_tensor(mine, rows.view(-1), op=zcomm.ReduceOp.AVG, group=channel.group)
+        handle = zcomm.reduce_scatter_tensor(
+            mine, rows.view(-1), op=zcomm.ReduceOp.AVG, group=channel.group, async_op=overlap
+        )
+        finish.append((handle, parts, mine))
+    if not overlap:
+        _deliver(finish, sink)
+        return _nothing
+    return lambda: _deliver(finish, sink)
+
+
+def _nothing() -> None:
+    return None
+
+
+_Finish = list[tuple[zcomm.Handle, list[tuple[Unit, _GradGroup]], torch.Tensor]]
+
+
+def _deliver(finish: _Finish, sink: GradientSink | None) -> None:
+    """Wait for the reduce-scatters and hand each unit its part of the result."""
+    for handle, parts, mine in finish:
+        handle.wait()
         start = 0
         for u, group in parts:
             reduced = mine[start : start + group.width]
