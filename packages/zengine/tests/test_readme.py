@@ -22,6 +22,6 @@ class TestReadme(DistributedTest):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(code.group(1), str(README), "exec"), {})
-        loss = float(re.search(r"final loss (\S+),", out.getvalue()).group(1))  # type: ignore[union-attr]
+        loss = float(re.search(r"final loss (\S+),", out.getvalue()).group(1))
         assert loss < 1.0  # it starts near 16
         assert f"on {-(-1153 // world_size)} gradient" in out.getvalue()
