@@ -111,7 +111,9 @@ def typecheck(session: nox.Session) -> None:
     for package in PACKAGES:
         package_dir = ROOT / "packages" / package
         session.run("mypy", *config, str(package_dir / "src"), str(package_dir / "tests"))
-    session.run("mypy", *config, str(ROOT / "bench"), str(ROOT / "noxfile.py"))
+    session.run(
+        "mypy", *config, str(ROOT / "bench"), str(ROOT / "examples"), str(ROOT / "noxfile.py")
+    )
 
 
 @nox.session
@@ -127,15 +129,12 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job. Until zengine trains, it prints a real pipeline schedule, validated."""
-    _install(session, ["zpipe"])
+    """The main job: a small GPT trained with ZeRO-3 on 2 processes (gloo on CPU, NCCL on GPU)."""
+    _install(session, _closure("zengine"))
     session.run(
-        "zpipe",
-        "interleaved",
-        "--stages=4",
-        "--micro-batches=8",
-        "--chunks=2",
-        "--backward=2",
+        "torchrun",
+        "--nproc-per-node=2",
+        str(ROOT / "examples" / "train_gpt.py"),
         *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
     )
-    session.run("zpipe", "zb-h1", "--stages=4", "--micro-batches=8", "--backward=1", "--weight=1")
