@@ -192,3 +192,24 @@ class TestProgress(DistributedTest):
             assert any(line.startswith("time per step: forward") for line in lines)
         else:
             assert progress == []
+
+
+class TestNoGrowth(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_live_tensors_do_not_grow_with_steps(self, world_size: int, stage: int) -> None:
+        import gc
+
+        engine, *_ = zengine.initialize(model=TinyGPT(), config=_config(stage))
+        tokens = global_batches(1, 2)[0]
+
+        def tensors() -> int:
+            gc.collect()
+            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+        for _ in range(10):
+            _step(engine, tokens)
+        before = tensors()
+        for _ in range(40):
+            _step(engine, tokens)
+        assert tensors() == before

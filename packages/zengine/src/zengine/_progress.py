@@ -3,8 +3,8 @@
 The line says the step, the mean loss since the last line, the learning rate, the loss scale,
 samples per second and the peak memory (the accelerator's allocator peak on a GPU, the process's
 peak resident memory on CPU). With ``wall_clock_breakdown`` a table of forward, backward, step
-and communication time per step follows it. Losses are kept as tensors until printed, so
-training does not wait on a device-to-host copy every step.
+and communication time per step follows it. Losses are summed on the device until printed,
+so training does not wait on a device-to-host copy every step.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class Progress:
         self.every = max(int(config.steps_per_print), 1)
         self.breakdown = bool(config.wall_clock_breakdown)
         self.times: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self.losses: list[torch.Tensor] = []
+        self.loss_sum: torch.Tensor | None = None  # since the last line, on the device
+        self.loss_count = 0
         self.since = time.perf_counter()
         self.samples_since = 0
         if self.breakdown:
@@ -69,7 +70,9 @@ class Progress:
             self.times[name] += time.perf_counter() - start
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        self.losses.append(loss.detach())
+        value = loss.detach().float()
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+        self.loss_count += 1
 
     def after_step(self) -> None:
         engine = self.engine
@@ -78,8 +81,8 @@ class Progress:
         now = time.perf_counter()
         samples = engine.global_samples - self.samples_since
         rate = samples / max(now - self.since, 1e-9)
-        loss = torch.stack([x.float() for x in self.losses]).mean().item() if self.losses else 0.0
-        self.losses.clear()
+        loss = self.loss_sum.item() / self.loss_count if self.loss_sum is not None else 0.0
+        self.loss_sum, self.loss_count = None, 0
         self.since, self.samples_since = now, engine.global_samples
         if zcomm.get_rank() == 0:
             lr = ", ".join(f"{x:.3e}" for x in engine.get_lr())
