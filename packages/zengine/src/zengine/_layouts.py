@@ -60,9 +60,14 @@ class FlatLayout:
             lo = 0 if stage == 0 else self.rank * size
             pieces.append(self._pieces(params, layout, lo, lo + size))
             sizes.append(size)
-        self.partitions = Partitions(pieces, device, sizes)
-        for g, flat in enumerate(self.flats):
-            self.partitions.masters[g].copy_(self._mine(flat, g))
+        # fp32 parameters are their own masters: the optimizer steps this rank's slice in place
+        self.aliased = all(f.dtype == torch.float32 for f in self.flats)
+        self._sizes = sizes
+        mine = [self._mine(flat, g) for g, flat in enumerate(self.flats)]
+        self.partitions = Partitions(pieces, device, sizes, masters=mine if self.aliased else None)
+        if not self.aliased:
+            for master, part in zip(self.partitions.masters, mine, strict=True):
+                master.copy_(part)
 
     def _pack(
         self, params: list[nn.Parameter], device: torch.device
@@ -95,7 +100,7 @@ class FlatLayout:
         return pieces
 
     def _mine(self, flat: torch.Tensor, g: int) -> torch.Tensor:
-        size = self.partitions.masters[g].numel()
+        size = self._sizes[g]
         return flat if self.stage == 0 else flat[self.rank * size : (self.rank + 1) * size]
 
     def before_backward(self) -> None:
@@ -129,9 +134,11 @@ class FlatLayout:
         for g, flat in enumerate(self.flats):
             master = self.partitions.masters[g]
             if self.stage == 0:
-                flat.copy_(master)
+                if not self.aliased:
+                    flat.copy_(master)
                 continue
-            mine = master.to(flat.dtype)
+            # a copy: the input must not lie inside the output (it does when aliased)
+            mine = master.to(flat.dtype, copy=True)
             zcomm.all_gather_into_tensor(flat, mine, group=self.group)
 
 
@@ -153,15 +160,16 @@ class ShardedLayout:
         ]
         sizes = [sum(n for _, _, n in g) for g in pieces]
         shard_device = self.params[0][0].ds_tensor.device if self.params[0] else device
-        self.partitions = Partitions(pieces, shard_device, sizes, grad_dtype)
-        self._grads = {id(p): self.partitions.grad_of(p) for g in self.params for p in g}
-        for g in self.params:
-            for p in g:
-                master = self.partitions.master_of(p)
-                assert master is not None
-                master.copy_(p.ds_tensor)
-        self._shards = [p.ds_tensor for g in self.params for p in g]
-        self._masters = [self.partitions.master_of(p) for g in self.params for p in g]
+        every = [p for g in self.params for p in g]
+        # fp32 shards are their own masters: the optimizer steps them in place, no copy
+        self.aliased = all(p.ds_tensor.dtype == torch.float32 for p in every)
+        shards = {id(p): p.ds_tensor for p in every} if self.aliased else None
+        self.partitions = Partitions(pieces, shard_device, sizes, grad_dtype, shards=shards)
+        self._grads = {id(p): self.partitions.grad_of(p) for p in every}
+        self._shards = [p.ds_tensor for p in every]
+        self._masters = [self.partitions.master_of(p) for p in every]
+        if not self.aliased:
+            torch._foreach_copy_(self._masters, self._shards)  # type: ignore[arg-type]
 
     def sink(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
         """zpartition's gradient sink: accumulate reduced shard gradients in fp32."""
@@ -177,4 +185,5 @@ class ShardedLayout:
         pass  # zpartition reduced the gradients during backward
 
     def write_back(self) -> None:
-        torch._foreach_copy_(self._shards, self._masters)  # type: ignore[arg-type]
+        if not self.aliased:
+            torch._foreach_copy_(self._shards, self._masters)  # type: ignore[arg-type]

@@ -34,7 +34,13 @@ class Fragment:
 
 
 class Partitions:
-    """The fp32 master partitions and their gradients, for every parameter group."""
+    """The fp32 master partitions and their gradients, for every parameter group.
+
+    The masters are a new fp32 buffer, unless the parameters are fp32 already: then they are
+    the parameters' own storage, which no second copy is needed of. `FlatLayout` hands in its
+    groups' fp32 partitions (`masters`), one flat tensor each; `ShardedLayout` hands in the
+    shards (`shards`), one tensor per parameter, which the torch optimizer then steps directly.
+    """
 
     def __init__(
         self,
@@ -42,41 +48,71 @@ class Partitions:
         device: torch.device,
         sizes: Sequence[int],
         grad_dtype: torch.dtype = torch.float32,
+        *,
+        masters: Sequence[torch.Tensor] | None = None,
+        shards: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """`groups`: per group, (parameter, param_offset, numel) of each piece this rank holds,
         in order; `sizes`: each group's partition size (pieces plus padding); `grad_dtype`:
         the gradient buffer's (the compute dtype keeps model states at (2+2+12) bytes per
         parameter over the ranks; fp32 accumulates more precisely)."""
         total = sum(sizes)
-        self.fp32_partitions_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        owned = masters is None and shards is None
+        self.fp32_partitions_flat: torch.Tensor | None = (
+            torch.zeros(total, dtype=torch.float32, device=device) if owned else None
+        )  # the masters, when they are a copy of their own
         self.grad_partitions_flat_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.masters: list[torch.Tensor] = []  # per group, a view of fp32_partitions_flat
+        self.shards = shards  # id(param) -> its shard, when the optimizer steps the shards
+        self.masters: list[torch.Tensor] = []  # per group, one flat fp32 tensor (not with shards)
         self.grads: list[torch.Tensor] = []  # per group, a view of the gradient buffer
+        self.starts: list[int] = []  # per group, its offset in the gradient buffer
         self.fragments: dict[int, Fragment] = {}  # id(param) -> its piece
         start = 0
         for g, (pieces, size) in enumerate(zip(groups, sizes, strict=True)):
-            self.masters.append(self.fp32_partitions_flat[start : start + size])
+            if self.fp32_partitions_flat is not None:
+                self.masters.append(self.fp32_partitions_flat[start : start + size])
+            elif masters is not None:
+                self.masters.append(masters[g])
             self.grads.append(self.grad_partitions_flat_buffer[start : start + size])
+            self.starts.append(start)
             offset = start
             for param, param_offset, numel in pieces:
                 self.fragments[id(param)] = Fragment(g, offset, numel, param_offset)
                 offset += numel
             start += size
 
-    def fragments_start(self, group: int) -> int:
-        """Where group `group`'s partition starts in the flat buffers."""
-        return int(self.masters[group].storage_offset()) - int(
-            self.fp32_partitions_flat.storage_offset()
-        )
+    def stepped(self, group: int, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        """What the torch optimizer steps for `group`: its flat master, or each shard."""
+        if self.shards is None:
+            return [self.masters[group]]
+        return [self.shards[id(p)] for p in params]
 
-    def master_of(self, param: nn.Parameter) -> torch.Tensor | None:
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of this rank's piece of `param` (None if it has none here)."""
         frag = self.fragments.get(id(param))
         if frag is None:
             return None
-        return self.fp32_partitions_flat[frag.start : frag.start + frag.numel]
+        if self.shards is not None:
+            return self.shards[id(param)]
+        offset = frag.start - self.starts[frag.group]
+        return self.masters[frag.group][offset : offset + frag.numel]
 
-    def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
+    def state_key(self, param: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The tensor the optimizer keeps `param`'s state under, and the piece's offset in it."""
+        frag = self.fragments.get(id(param))
+        if frag is None:
+            return None
+        if self.shards is not None:
+            return self.shards[id(param)], 0
+        return self.masters[frag.group], frag.start - self.starts[frag.group]
+
+    def grads_of(self, param: torch.Tensor) -> torch.Tensor:
+        """`grad_of` for a parameter known to have a piece here."""
+        grad = self.grad_of(param)
+        assert grad is not None
+        return grad
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 gradient of this rank's piece of `param`."""
         frag = self.fragments.get(id(param))
         if frag is None:

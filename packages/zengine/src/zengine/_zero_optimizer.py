@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import zcomm
 from zengine._partitions import Partitions
@@ -26,6 +27,9 @@ log = logging.getLogger("zengine")
 
 class Layout(Protocol):
     partitions: Partitions
+
+    @property
+    def params(self) -> Sequence[Sequence[nn.Parameter]]: ...
 
     def before_backward(self) -> None: ...
     def after_backward(self, boundary: bool) -> None: ...
@@ -63,12 +67,19 @@ class ZeroOptimizer:
         self.loss_scaler = loss_scaler  # None without fp16
         self.clip = clip
         groups = []
-        for master, grad, options in zip(
-            self.partitions.masters, self.partitions.grads, group_options, strict=True
-        ):
-            if grad.dtype == torch.float32:
-                master.grad = grad  # else an fp32 copy, only during the step
-            groups.append({**options, "params": [master]})
+        self._stepped: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its gradient)
+        parts = self.partitions
+        for g, (params, options) in enumerate(zip(layout.params, group_options, strict=True)):
+            stepped = parts.stepped(g, params)
+            if parts.shards is None:
+                grads = [parts.grads[g]]
+            else:
+                grads = [parts.grads_of(p).view_as(t) for p, t in zip(params, stepped, strict=True)]
+            for tensor, grad in zip(stepped, grads, strict=True):
+                if grad.dtype == torch.float32:
+                    tensor.grad = grad  # else an fp32 copy, only during the step
+                self._stepped.append((tensor, grad))
+            groups.append({**options, "params": stepped})
         self.optimizer = make_optimizer(groups)
         self.global_grad_norm: float | None = None  # of the last step, before clipping
         self.skipped_steps = 0
@@ -131,12 +142,12 @@ class ZeroOptimizer:
             grads.mul_(factor)
         low = grads.dtype != torch.float32
         if low:
-            for master, grad in zip(self.partitions.masters, self.partitions.grads, strict=True):
-                master.grad = grad.float()
+            for tensor, grad in self._stepped:
+                tensor.grad = grad.float()
         self.optimizer.step()
         if low:
-            for master in self.partitions.masters:
-                master.grad = None
+            for tensor, _ in self._stepped:
+                tensor.grad = None
         self.layout.write_back()
         self.zero_grad()
         return True
@@ -155,10 +166,11 @@ class ZeroOptimizer:
         """Drop the state and the flat buffers (the engine is done with them)."""
         self.optimizer.state.clear()
         empty = torch.empty(0)
-        self.partitions.fp32_partitions_flat = empty
+        self.partitions.fp32_partitions_flat = None
         self.partitions.grad_partitions_flat_buffer = empty
         self.partitions.masters.clear()
         self.partitions.grads.clear()
+        self._stepped.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "skipped_steps": self.skipped_steps}

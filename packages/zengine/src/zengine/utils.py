@@ -37,31 +37,32 @@ def _owner(param: torch.Tensor) -> tuple[ZeroOptimizer, Fragment] | None:
     return None if frag is None else (optimizer, frag)
 
 
-def _state_of(optimizer: ZeroOptimizer, frag: Fragment, key: str) -> torch.Tensor:
-    master = optimizer.partitions.masters[frag.group]
-    state = optimizer.optimizer.state.get(master, {})
+def _state_of(optimizer: ZeroOptimizer, param: torch.Tensor, key: str) -> torch.Tensor:
+    found = optimizer.partitions.state_key(param)
+    frag = optimizer.partitions.fragments[id(param)]
+    assert found is not None
+    tensor, offset = found
+    state = optimizer.optimizer.state.get(tensor, {})
     if key not in state:
         raise KeyError(
             f"safe_get_*_optimizer_state: no optimizer state {key!r} (there is: "
             f"{sorted(state) or 'none yet: step the optimizer first'})"
         )
-    group_start = optimizer.partitions.fragments_start(frag.group)
-    offset = frag.start - group_start
     value: torch.Tensor = state[key]
-    return value[offset : offset + frag.numel]
+    return value.reshape(-1)[offset : offset + frag.numel]
 
 
 def _local(param: torch.Tensor, what: str, key: str = "") -> torch.Tensor | None:
     owner = _owner(param)
     if owner is None:
         return None
-    optimizer, frag = owner
+    optimizer, _ = owner
     parts = optimizer.partitions
     if what == "param":
-        return parts.fp32_partitions_flat[frag.start : frag.start + frag.numel]
+        return parts.master_of(param)
     if what == "grad":
-        return parts.grad_partitions_flat_buffer[frag.start : frag.start + frag.numel]
-    return _state_of(optimizer, frag, key)
+        return parts.grad_of(param)
+    return _state_of(optimizer, param, key)
 
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
