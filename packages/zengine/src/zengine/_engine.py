@@ -7,7 +7,8 @@ stage-specific lives in the layout (_layouts.py); everything about the config in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import ctypes
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +20,43 @@ from zengine._progress import Progress
 from zengine._zero_optimizer import ZeroOptimizer
 
 __all__ = ["Engine"]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [  # glibc's struct mallinfo2: ten size_t counters
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        ).split()
+    ]
+
+
+_TRIM_ABOVE = 64 << 20  # free heap bytes worth handing back
+
+
+def _host_trimmer() -> Callable[[], None]:
+    """glibc's ``malloc_trim`` when the heap holds much free memory, or nothing where there
+    is no glibc.
+
+    [Note: returning memory on CPU]
+    On CPU torch allocates with malloc. A ZeRO-3 step frees hundreds of MiB it gathered (full
+    parameters, full gradients, reduce buffers); glibc keeps that in its heap for reuse, so the
+    process's resident memory stays near the step's peak though the live tensors are only the
+    model states (measured: 1.25 GiB resident for 0.5 GiB of tensors, 0.87 GiB after a trim).
+    A trim costs about 10 ms on a large heap, so it runs only when more than 64 MiB are free.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        trim, info = libc.malloc_trim, libc.mallinfo2
+    except (AttributeError, OSError):
+        return lambda: None
+    trim.argtypes, info.restype = [ctypes.c_size_t], _MallInfo2
+
+    def run() -> None:
+        if info().fordblks > _TRIM_ABOVE:
+            trim(0)
+
+    return run
 
 
 class Engine(nn.Module):
@@ -45,6 +83,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0  # backward passes taken
         self.progress = Progress(self, config)
+        self._trim = _host_trimmer() if device.type == "cpu" else lambda: None
 
     # -- DeepSpeed's accessors -------------------------------------------------------------
 
@@ -114,6 +153,7 @@ class Engine(nn.Module):
             stepped = self.optimizer.step()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+            self._trim()
         self.global_steps += 1
         self.progress.after_step()
 
