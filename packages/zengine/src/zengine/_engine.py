@@ -25,9 +25,18 @@ __all__ = ["Engine"]
 class _MallInfo2(ctypes.Structure):
     _fields_ = [  # glibc's struct mallinfo2: ten size_t counters
         (name, ctypes.c_size_t)
-        for name in (
-            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-        ).split()
+        for name in [
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        ]
     ]
 
 

@@ -1,5 +1,36 @@
-"""Training state to pinned host memory or NVMe and back, bit-exact, with a CuPy path on CUDA."""
+"""Training state to pinned host memory or NVMe and back, bit-exact, with a CuPy path on CUDA.
+
+``handle = zoffload.offload({"w": w, "m": m}, "cpu")`` empties the tensors' storages (the
+same objects stay in the model and optimizer) and ``handle.reload()`` fills them again.
+Importing zoffload never initializes CUDA; CuPy (the ``cuda`` extra) is used when present.
+"""
 
 from zoffload.__about__ import __version__
+from zoffload._enums import OffloadDeviceEnum, OffloadStateTypeEnum
+from zoffload._errors import OffloadChecksumError, OffloadError, OffloadFileError
+from zoffload._handle import OffloadHandle
+from zoffload._nvme import FileManifest, StorageEntry, check_file
+from zoffload._offloader import Offloader, default_offloader, offload
+from zoffload._pool import HostPool, HostRegion, PoolStats, default_pool
+from zoffload._registry import handle_of
 
-__all__ = ["__version__"]
+__all__ = [
+    "FileManifest",
+    "HostPool",
+    "HostRegion",
+    "OffloadChecksumError",
+    "OffloadDeviceEnum",
+    "OffloadError",
+    "OffloadFileError",
+    "OffloadHandle",
+    "OffloadStateTypeEnum",
+    "Offloader",
+    "PoolStats",
+    "StorageEntry",
+    "__version__",
+    "check_file",
+    "default_offloader",
+    "default_pool",
+    "handle_of",
+    "offload",
+]
