@@ -33,9 +33,9 @@ from zpartition._coordinator import Coordinator
 from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter, unregister_external_parameter
 from zpartition._param import ZeroParameter, zero_params
-from zpartition._reduce import GradientSink, keep_local, reduce_units
+from zpartition._reduce import GradBucket, GradientSink, keep_local
 from zpartition._status import ZeroParamStatus
-from zpartition._unit import Unit
+from zpartition._unit import Unit, _GradGroup
 
 __all__ = ["ModuleInfo", "State"]
 
@@ -94,8 +94,9 @@ class State:
         self.in_backward = False  # between a backward's first hook and its end callback
         self.handles: list[Any] = []  # removable hook handles
         self.units: list[Unit] = []  # every unit with trainable parameters, in order
-        self.pending: list[Unit] = []  # units whose gradients wait for a bucket to fill
-        self.pending_numel = 0
+        self.buckets: dict[torch.dtype, GradBucket] = {}  # gradients waiting, by dtype
+        self.bucket_columns: dict[torch.dtype, int] = {}  # a bucket's width, set at install
+        self.root_device = torch.device("cpu")  # where gradients are computed (set at install)
         self.late_gradients = False  # gradients taken at the end of backward (see install)
         self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
         self.reducing: list[Callable[[], None]] = []  # reduce-scatters in flight, to finish
@@ -111,6 +112,14 @@ class State:
         self.late_gradients = all(u.direct for u in self.units) and (
             total <= self.coordinator.config.max_live_parameters
         )
+        # A bucket holds reduce_bucket_size elements, or every gradient if fewer: its columns
+        # are one rank's share of that.
+        limit = max(1, self.coordinator.config.reduce_bucket_size // self.channel.size)
+        for unit in self.units:
+            for group in unit.grad_groups:
+                columns = self.bucket_columns.get(group.dtype, 0) + group.width
+                self.bucket_columns[group.dtype] = min(columns, limit)
+        self.root_device = self.units[0].device if self.units else torch.device("cpu")
         for unit in self.units:
             if self.late_gradients:
                 break
@@ -256,18 +265,30 @@ class State:
         if unit.direct:
             keep_local(unit, self.sink)
         else:
-            self.pending.append(unit)
-            self.pending_numel += unit.numel
-            if self.pending_numel >= self.coordinator.config.reduce_bucket_size:
-                self._flush()
+            for group in unit.grad_groups:
+                self._bucket_for(group).add(unit, group)
         if not unit.persistent:
             unit.users.clear()
             self.coordinator.release((unit,), -1)
 
-    def _flush(self) -> None:
-        pending, self.pending, self.pending_numel = self.pending, [], 0
+    def _bucket_for(self, group: _GradGroup) -> GradBucket:
+        bucket = self.buckets.get(group.dtype)
+        if bucket is not None and not bucket.fits(group):
+            self._flush(group.dtype)
+            bucket = None
+        if bucket is None:
+            width = max(self.bucket_columns.get(group.dtype, 0), group.width)
+            bucket = GradBucket(group.dtype, width, self.channel, self.root_device)
+            self.buckets[group.dtype] = bucket
+        return bucket
+
+    def _flush(self, dtype: torch.dtype | None = None) -> None:
+        """Reduce-scatter the bucket of `dtype` (all buckets by default)."""
         overlap = self.coordinator.config.overlap_comm
-        self.reducing.append(reduce_units(pending, self.sink, overlap=overlap))
+        for key in [dtype] if dtype is not None else sorted(self.buckets, key=str):
+            bucket = self.buckets.pop(key, None)
+            if bucket is not None and bucket.entries:
+                self.reducing.append(bucket.reduce(self.sink, overlap=overlap))
 
     def _finish_reductions(self) -> None:
         reducing, self.reducing = self.reducing, []

@@ -1,10 +1,11 @@
 """Gradients: each rank's average of the full gradients, kept as its shard's ``.grad``.
 
-Units whose backward finished queue up and are reduce-scattered together once
-``reduce_bucket_size`` elements wait (and at the end of backward), one collective per bucket
-and dtype: small modules would otherwise pay a collective's latency each. The rows of a bucket
-are rank-major, unit after unit, as in [Note: unit layout]. With one rank nothing moves: the
-full gradient, flattened, becomes the shard's gradient.
+A unit whose backward finished copies its gradients into a bucket (`GradBucket`, one per
+dtype, ``reduce_bucket_size`` elements at most) and drops the full ones; a full bucket is
+reduce-scattered in one collective, as is what is left at the end of backward: small modules
+would otherwise pay a collective's latency each. The rows of a bucket are rank-major, unit after
+unit, as in [Note: unit layout]. With one rank nothing moves: the full gradient, flattened,
+becomes the shard's gradient.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 import zcomm
-from zpartition._channel import Kind
+from zpartition._channel import Channel, Kind
 from zpartition._param import ZeroParameter
 from zpartition._unit import Unit, _GradGroup
 
-__all__ = ["GradientSink", "keep_local", "reduce_units"]
+__all__ = ["GradBucket", "GradientSink", "keep_local"]
 
 GradientSink = Callable[[Sequence[ZeroParameter], Sequence[torch.Tensor]], None]
 """Takes reduced gradients instead of ``ds_tensor.grad``: parameters, and for each its averaged
@@ -44,64 +45,63 @@ def keep_local(unit: Unit, sink: GradientSink | None = None) -> None:
                 shard.grad.add_(grad.view(-1))
 
 
-def reduce_units(
-    units: Sequence[Unit], sink: GradientSink | None = None, *, overlap: bool = False
-) -> Callable[[], None]:
-    """Average the full gradients of `units` across ranks into each rank's shard gradients
-    (accumulating over backward passes) and drop the full gradients.
+class GradBucket:
+    """Gradients of one dtype waiting to be reduce-scattered together, rank-major.
 
-    Returns what finishes the job: with `overlap` the reduce-scatters are left in flight (the
-    rest of backward runs meanwhile) and the returned function waits and accumulates; without,
-    it is done already and the function does nothing."""
-    if not units:
-        return _nothing
-    channel = units[0].channel
-    channel.agree(Kind.REDUCE, [u.uid for u in units])
-    by_dtype: dict[torch.dtype, list[tuple[Unit, _GradGroup]]] = {}
-    for u in units:
-        for group in u.grad_groups:
-            by_dtype.setdefault(group.dtype, []).append((u, group))
-    finish: _Finish = []
-    for dtype, parts in by_dtype.items():
-        width = sum(g.width for _, g in parts)
-        rows = torch.zeros(channel.size, width, dtype=dtype, device=units[0].device)
-        start = 0
-        for u, group in parts:
-            _fill(u, group, rows[:, start : start + group.width])
-            start += group.width
-        mine = rows.new_empty(width)
+    A unit's gradients are copied in as soon as its backward is over, and the full gradients
+    are dropped then: the bucket is the only full-size gradient storage, never twice over.
+    """
+
+    def __init__(
+        self, dtype: torch.dtype, capacity: int, channel: Channel, device: torch.device
+    ) -> None:
+        self.channel = channel
+        self.rows = torch.empty(channel.size, capacity, dtype=dtype, device=device)
+        self.used = 0  # columns filled
+        self.entries: list[tuple[Unit, _GradGroup, int]] = []  # (unit, group, first column)
+
+    def fits(self, group: _GradGroup) -> bool:
+        return self.used + group.width <= self.rows.shape[1]
+
+    def add(self, unit: Unit, group: _GradGroup) -> None:
+        """Copy `unit`'s gradients of this dtype in (padding and missing ones as zeros)."""
+        _fill(unit, group, self.rows[:, self.used : self.used + group.width])
+        self.entries.append((unit, group, self.used))
+        self.used += group.width
+
+    def reduce(self, sink: GradientSink | None, *, overlap: bool) -> Callable[[], None]:
+        """Agree with the other ranks, then reduce-scatter; returns what finishes the job
+        (with `overlap` the collective is in flight until it is called)."""
+        self.channel.agree(Kind.REDUCE, [u.uid for u, _, _ in self.entries])
+        rows = self.rows if self.used == self.rows.shape[1] else self.rows[:, : self.used]
+        flat = rows.contiguous().view(-1)  # a copy only for a bucket left part-full
+        mine = flat.new_empty(self.used)
         handle = zcomm.reduce_scatter_tensor(
-            mine, rows.view(-1), op=zcomm.ReduceOp.AVG, group=channel.group, async_op=overlap
+            mine, flat, op=zcomm.ReduceOp.AVG, group=self.channel.group, async_op=overlap
         )
-        finish.append((handle, parts, mine))
-    if not overlap:
-        _deliver(finish, sink)
-        return _nothing
-    return lambda: _deliver(finish, sink)
+        entries = self.entries
+        self.entries, self.rows = [], self.rows[:, :0]
+
+        def finish() -> None:
+            handle.wait()
+            for unit, group, start in entries:
+                reduced = mine[start : start + group.width]
+                if sink is None:
+                    _accumulate(unit, group, reduced)
+                else:
+                    sink(
+                        [unit.params[i] for i in group.indices],
+                        [reduced[off : off + chunk] for off, chunk in group.columns],
+                    )
+
+        if not overlap:
+            finish()
+            return _nothing
+        return finish
 
 
 def _nothing() -> None:
     return None
-
-
-_Finish = list[tuple[zcomm.Handle, list[tuple[Unit, _GradGroup]], torch.Tensor]]
-
-
-def _deliver(finish: _Finish, sink: GradientSink | None) -> None:
-    """Wait for the reduce-scatters and hand each unit its part of the result."""
-    for handle, parts, mine in finish:
-        handle.wait()
-        start = 0
-        for u, group in parts:
-            reduced = mine[start : start + group.width]
-            if sink is None:
-                _accumulate(u, group, reduced)
-            else:
-                sink(
-                    [u.params[i] for i in group.indices],
-                    [reduced[off : off + chunk] for off, chunk in group.columns],
-                )
-            start += group.width
 
 
 def _fill(unit: Unit, group: _GradGroup, rows: torch.Tensor) -> None:
@@ -109,14 +109,17 @@ def _fill(unit: Unit, group: _GradGroup, rows: torch.Tensor) -> None:
     for i, (off, chunk) in zip(group.indices, group.columns, strict=True):
         p = unit.params[i]
         grad = p.grad
+        block = rows[:, off : off + chunk]
         if grad is None:
-            continue  # an unused parameter contributes zeros, on every rank alike
+            block.zero_()  # an unused parameter contributes zeros, on every rank alike
+            continue
         p.grad = None
         flat, (whole, rest) = grad.reshape(-1), divmod(int(p.ds_numel), chunk)
-        block = rows[:, off : off + chunk]
         block[:whole].copy_(flat[: whole * chunk].view(whole, chunk))
-        if rest:
-            block[whole, :rest].copy_(flat[whole * chunk :])
+        if whole < block.shape[0]:
+            block[whole:].zero_()  # the padding of the last rank's chunk
+            if rest:
+                block[whole, :rest].copy_(flat[whole * chunk :])
 
 
 def _accumulate(unit: Unit, group: _GradGroup, mine: torch.Tensor) -> None:
