@@ -1,0 +1,363 @@
+"""The handle of one offload: where the bytes went, how to wait, how to bring them back.
+
+A handle moves through ``offloading -> offloaded -> reloading -> resident``. ``wait()``
+finishes whatever transfer is in flight (and re-raises its error); ``reload()`` first waits
+for the offload. Transfers that finish asynchronously:
+
+- GPU to pinned host (``device=cpu``, ``non_blocking=True``): the copies run on zoffload's
+  stream; the device memory is handed back to torch's caching allocator at once, safely
+  (see [Note: stream order] in ``_cuda``), and the host copy is valid after ``wait()``.
+- GPU from pinned host (``reload(non_blocking=True)``): the caller's stream waits for the
+  copy on the device, so kernels queued after ``reload`` see the data; the host need not
+  wait. ``wait()`` also runs the ``verify`` check.
+- NVMe, either way (``non_blocking=True``): a background thread does the file I/O; storages
+  are freed once the file is durable (a failed write leaves the tensors untouched) and are
+  filled before ``wait()`` returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from zoffload import _cuda, _registry
+from zoffload._enums import OffloadDeviceEnum
+from zoffload._errors import OffloadChecksumError, OffloadError
+from zoffload._layout import Layout, Segment
+from zoffload._nvme import FileManifest
+from zoffload._pool import HostRegion
+from zoffload._storage import Slot, byte_view, fingerprint, storage_key
+
+if TYPE_CHECKING:
+    from zoffload._offloader import Offloader
+
+__all__ = ["OffloadHandle"]
+
+
+class OffloadHandle:
+    """The bytes of some named tensors, moved off their device by `zoffload.offload`.
+
+    The tensors stay the same objects with the same storages, emptied (``nbytes() == 0``)
+    until `reload` fills them again, bit-exact. Read none of them in between.
+    """
+
+    def __init__(
+        self,
+        offloader: Offloader,
+        tensors: dict[str, torch.Tensor],
+        slots: list[Slot],
+        layout: Layout,
+        device: OffloadDeviceEnum,
+        *,
+        pinned: bool,
+        verify: bool,
+    ) -> None:
+        self._offloader = offloader  # its pool, NVMe I/O threads and background driver
+        self._tensors = tensors  # what the caller named, kept alive while the bytes are away
+        self._slots = slots  # the distinct storages, with their layout offsets
+        self._layout = layout
+        self._device = device
+        self._pinned = pinned
+        self._verify = verify
+        self._keys = [storage_key(s.tensors[0]) for s in slots]
+        self._state = "offloading"
+        self._region: HostRegion | None = None  # device=cpu: where the bytes are
+        self._manifest: FileManifest | None = None  # device=nvme: the file that holds them
+        self._direct_io: bool | None = None
+        # The transfer in flight: a background job and/or CUDA events, then `_finish` once.
+        self._future: Future[None] | None = None
+        self._events: list[torch.cuda.Event] = []
+        self._finish: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadHandle({len(self._tensors)} tensors, {self.nbytes} bytes, "
+            f"device={self._device.value}, {self._state})"
+        )
+
+    # -- what the handle holds --------------------------------------------------------------
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by the names given to `offload` (a copy of the mapping)."""
+        return dict(self._tensors)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    @property
+    def device(self) -> OffloadDeviceEnum:
+        """Where the bytes go while offloaded: ``cpu``, ``nvme``, or ``none`` (not kept)."""
+        return self._device
+
+    @property
+    def devices(self) -> frozenset[torch.device]:
+        """The devices the tensors live on, and come back to on reload."""
+        return frozenset(s.device for s in self._slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved: the sum over the distinct storages (shared storage counts once)."""
+        return sum(s.nbytes for s in self._slots)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host bytes (or the NVMe I/O buffers) are page-locked."""
+        return self._pinned
+
+    @property
+    def path(self) -> Path | None:
+        """The NVMe file holding the bytes (``device=nvme``, while offloaded)."""
+        return None if self._manifest is None else self._manifest.path
+
+    @property
+    def direct_io(self) -> bool | None:
+        """Whether the NVMe file was written with O_DIRECT (``None`` for other devices)."""
+        return self._direct_io
+
+    @property
+    def state(self) -> str:
+        """``offloading``, ``offloaded``, ``reloading`` or ``resident``."""
+        return self._state
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the tensors are empty now (their bytes away or on their way)."""
+        return self._state in ("offloading", "offloaded")
+
+    # -- waiting --------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Whether the transfer in flight has finished (never blocks)."""
+        future_done = self._future is None or self._future.done()
+        return future_done and all(e.query() for e in self._events)  # type: ignore[no-untyped-call]
+
+    def wait(self) -> OffloadHandle:
+        """Block until the transfer in flight is complete; re-raises its error. Idempotent."""
+        with self._lock:
+            future, self._future = self._future, None
+            events, self._events = self._events, []
+            finish, self._finish = self._finish, None
+            try:
+                if future is not None:
+                    future.result()
+                for event in events:
+                    event.synchronize()
+            except BaseException:
+                self._failed()
+                raise
+            if finish is not None:
+                finish()
+        return self
+
+    def _failed(self) -> None:
+        """Undo the state change of a transfer that raised."""
+        if self._state == "offloading":  # nothing was freed: the tensors are as they were
+            _registry.remove(self._keys, self)
+            self._state = "resident"
+        elif self._state == "reloading":  # half-filled storages are emptied again
+            self._future, self._events, self._finish = None, [], None
+            self._free()
+            self._state = "offloaded"
+
+    def _start(
+        self,
+        *,
+        future: Future[None] | None = None,
+        events: list[torch.cuda.Event] | None = None,
+        finish: Callable[[], None] | None = None,
+    ) -> None:
+        self._future, self._events, self._finish = future, events or [], finish
+
+    # -- offload --------------------------------------------------------------------------
+
+    def _offload(self, *, non_blocking: bool, nvme_file: Path | None) -> None:
+        """Start the offload (called once, by the offloader)."""
+        _registry.add(self._keys, self)
+        try:
+            if self._verify:
+                for slot in self._slots:
+                    slot.fingerprint = fingerprint(byte_view(slot.storage))
+            if self._device == OffloadDeviceEnum.nvme:
+                assert nvme_file is not None
+                self._offload_nvme(nvme_file, non_blocking=non_blocking)
+            elif self._device == OffloadDeviceEnum.cpu:
+                self._offload_host(non_blocking=non_blocking)
+            else:
+                self._free()
+                self._state = "offloaded"
+        except BaseException:
+            self._failed()
+            raise
+
+    def _offload_host(self, *, non_blocking: bool) -> None:
+        region = self._offloader.pool.allocate(self._layout.nbytes, pinned=self._pinned)
+        try:
+            events = self._to_host(region.tensor)
+        except BaseException:
+            region.release()
+            raise
+        self._region = region
+        self._free()
+        self._start(events=events, finish=self._offloaded)
+        if not non_blocking:
+            self.wait()
+
+    def _offloaded(self) -> None:
+        self._state = "offloaded"
+
+    def _to_host(self, host: torch.Tensor) -> list[torch.cuda.Event]:
+        events = []
+        for device, segments in _by_device(self._layout.segments).items():
+            if device.type == "cuda":
+                events.append(_cuda.copier(device).to_host(segments, host))
+                continue
+            for seg in segments:
+                for slot in seg.slots:
+                    host[slot.offset : slot.offset + slot.nbytes].copy_(byte_view(slot.storage))
+        return events
+
+    def _offload_nvme(self, path: Path, *, non_blocking: bool) -> None:
+        fences = _fences(self.devices)
+        io = self._offloader.io
+
+        def job() -> None:
+            manifest, direct = io.write(
+                path, self._slots, self._layout, pinned=self._pinned, fences=fences
+            )
+            self._manifest, self._direct_io = manifest, direct
+            self._free()  # only now: a failed write leaves every tensor as it was
+
+        if non_blocking:
+            self._start(future=self._offloader.background(job), finish=self._offloaded)
+        else:
+            job()  # an error propagates to `_offload`, which undoes the state
+            self._state = "offloaded"
+
+    def _free(self) -> None:
+        for slot in self._slots:
+            slot.storage.resize_(0)
+
+    def _restore(self) -> None:
+        for slot in self._slots:
+            slot.storage.resize_(slot.nbytes)
+
+    # -- reload ---------------------------------------------------------------------------
+
+    def reload(self, *, non_blocking: bool = False) -> OffloadHandle:
+        """Refill the same storages with the offloaded bytes and give the host memory back.
+
+        With ``non_blocking=True`` the copies may still run when this returns (see the module
+        docstring); call `wait` before reading the tensors on the host. Errors of a file that
+        is missing, truncated or corrupt name the file (`OffloadFileError`), and leave the
+        handle offloaded so nothing half-filled is mistaken for good data.
+        """
+        self.wait()  # an offload still in flight completes first (and raises if it failed)
+        if self._state != "offloaded":
+            raise OffloadError(f"reload: the handle is {self._state}, not offloaded ({self!r})")
+        self._restore()
+        self._state = "reloading"
+        try:
+            if self._device == OffloadDeviceEnum.cpu:
+                self._reload_host()
+            elif self._device == OffloadDeviceEnum.nvme:
+                self._reload_nvme(non_blocking=non_blocking)
+            else:
+                self._start(finish=self._resident)
+        except BaseException:
+            self._failed()
+            raise
+        if not non_blocking:
+            self.wait()
+        return self
+
+    def _reload_host(self) -> None:
+        region = self._region
+        assert region is not None
+        events = []
+        for device, segments in _by_device(self._layout.segments).items():
+            if device.type == "cuda":
+                events.append(_cuda.copier(device).to_device(segments, region.tensor))
+                continue
+            for seg in segments:
+                for slot in seg.slots:
+                    src = region.tensor[slot.offset : slot.offset + slot.nbytes]
+                    byte_view(slot.storage).copy_(src)
+        # The pool may lend the region again once the copies have read it.
+        self._region = None
+        region.release(_AllOf(events) if events else None)
+        self._start(events=events, finish=self._resident)
+
+    def _reload_nvme(self, *, non_blocking: bool) -> None:
+        manifest = self._manifest
+        assert manifest is not None
+        fences = _fences(self.devices)
+        io = self._offloader.io
+
+        def job() -> None:
+            io.read(manifest, self._slots, pinned=self._pinned, fences=fences)
+
+        def finish() -> None:
+            manifest.path.unlink(missing_ok=True)
+            self._manifest = None
+            self._resident()
+
+        if not non_blocking:
+            job()
+            self._start(finish=finish)
+            return
+        self._start(future=self._offloader.background(job), finish=finish)
+
+    def _resident(self) -> None:
+        bad = self._mismatches() if self._verify else []
+        _registry.remove(self._keys, self)
+        self._state = "resident"
+        if bad:  # the bytes are back but wrong: say which, loudly
+            raise OffloadChecksumError(bad, "their checksum at offload does not match")
+
+    def _mismatches(self) -> list[str]:
+        bad = []
+        for slot in self._slots:
+            now = None if slot.fingerprint is None else fingerprint(byte_view(slot.storage))
+            if now != slot.fingerprint:
+                bad.extend(slot.names)
+        return bad
+
+
+class _AllOf:
+    """A fence over several CUDA events (a region read by copies on several GPUs)."""
+
+    def __init__(self, events: list[torch.cuda.Event]) -> None:
+        self._events = events
+
+    def query(self) -> bool:
+        return all(e.query() for e in self._events)  # type: ignore[no-untyped-call]
+
+    def synchronize(self) -> None:
+        for e in self._events:
+            e.synchronize()
+
+
+def _by_device(segments: list[Segment]) -> dict[torch.device, list[Segment]]:
+    grouped: dict[torch.device, list[Segment]] = {}
+    for seg in segments:
+        grouped.setdefault(seg.device, []).append(seg)
+    return grouped
+
+
+def _fences(devices: frozenset[torch.device]) -> dict[torch.device, torch.cuda.Event]:
+    """An event on the caller's current stream of each GPU: I/O threads start after it."""
+    fences = {}
+    for device in devices:
+        if device.type == "cuda":
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(device))
+            fences[device] = event
+    return fences

@@ -1,0 +1,77 @@
+"""Where each storage's bytes go in a handle's host region or NVMe file.
+
+[Note: packing]
+A transfer has a fixed cost (a launch, a DMA set-up, a syscall) that dominates for small
+storages, and an optimizer state is mostly small tensors. So storages below ``small_bytes``
+on one device are laid end to end (64-byte aligned) in segments of up to ``pack_bytes``: a GPU
+moves each segment with one gather on the device and one copy over the link (on the host,
+packing only saves the page of padding each storage would otherwise take). Bytes are
+moved raw, so dtypes do not matter and need no grouping. Large storages each get a segment
+of their own starting on an ``alignment`` boundary (4096: pages, O_DIRECT blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zoffload._storage import Slot
+
+__all__ = ["Layout", "Segment", "align_up", "plan"]
+
+_SMALL_ALIGN = 64  # a cache line; keeps vectorised gathers aligned
+
+
+@dataclass(eq=False)
+class Segment:
+    """A byte range of the layout moved as one transfer."""
+
+    device: torch.device
+    offset: int
+    nbytes: int
+    packed: bool  # several small storages, gathered on the device first
+    slots: list[Slot] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Layout:
+    """Offsets for every slot (set on the slots) and the segments that cover them."""
+
+    nbytes: int
+    segments: list[Segment]
+
+
+def align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def plan(
+    slots: list[Slot],
+    *,
+    small_bytes: int = 1 << 20,
+    pack_bytes: int = 64 << 20,
+    alignment: int = 4096,
+) -> Layout:
+    """Assign ``slot.offset`` for every slot with bytes and group them into segments."""
+    segments: list[Segment] = []
+    end = 0
+    for device in dict.fromkeys(s.device for s in slots):
+        mine = [s for s in slots if s.device == device and s.nbytes > 0]
+        small = [s for s in mine if s.nbytes < small_bytes]
+        current: Segment | None = None
+        for slot in small:
+            if current is None or current.nbytes + slot.nbytes > pack_bytes:
+                current = Segment(device, align_up(end, alignment), 0, packed=True)
+                segments.append(current)
+            slot.offset = current.offset + align_up(current.nbytes, _SMALL_ALIGN)
+            current.nbytes = slot.offset + slot.nbytes - current.offset
+            current.slots.append(slot)
+            end = current.offset + current.nbytes
+        for slot in mine:
+            if slot.nbytes < small_bytes:
+                continue
+            slot.offset = align_up(end, alignment)
+            segments.append(Segment(device, slot.offset, slot.nbytes, packed=False, slots=[slot]))
+            end = slot.offset + slot.nbytes
+    return Layout(align_up(end, alignment), segments)

@@ -1,0 +1,495 @@
+"""Offload files on NVMe: large aligned I/O, several requests in flight, crash-safe.
+
+[Note: file format]
+One file per handle: a header, then the handle's layout (see `_layout.plan`) as data::
+
+    [0, 24)          b"ZOFFLOAD", version (u32), manifest length (u64), manifest CRC-32 (u32)
+    [24, ...)        the manifest, JSON: token, data offset and size, chunk size, the CRC-32
+                     of every chunk, and every storage (names, offset, size)
+    [H, H + D)       the data, H and D multiples of 4096
+
+Data goes out in chunks (``chunk_bytes``, default 8 MiB) from page-aligned host buffers
+(pinned when a GPU is involved), ``threads`` of them in flight at once, through O_DIRECT
+where the filesystem allows it (bypassing the page cache, so offloading 100 GB does not
+push everything else out of memory). Filesystems that refuse O_DIRECT (tmpfs, some
+overlay and network filesystems) get the same I/O buffered, noted once in the log.
+
+[Note: crash safety]
+The file is written under a temporary name, the header last (until then it is zeros, so a
+torn file has no magic), then fsync, an atomic rename to the final name and an fsync of the
+directory. A crash leaves at most a ``*.tmp-*`` file that nothing loads. Reading checks the
+magic, the manifest's CRC, that the manifest belongs to this handle, the exact file size and
+every chunk's CRC before a byte is trusted, and names the file in the error otherwise.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import uuid
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zoffload._errors import OffloadError, OffloadFileError
+from zoffload._layout import Layout, align_up
+from zoffload._pool import HostPool, HostRegion
+from zoffload._storage import Slot, byte_view
+
+__all__ = ["FileManifest", "NvmeIO", "StorageEntry", "check_file"]
+
+_log = logging.getLogger("zoffload")
+
+MAGIC = b"ZOFFLOAD"
+VERSION = 1
+_PREFIX = struct.Struct("<8sIQI")
+_BLOCK = 4096  # file offsets and I/O sizes are multiples of this (O_DIRECT's alignment)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere buffered I/O only
+
+
+@dataclass(frozen=True)
+class StorageEntry:
+    """One storage in an offload file."""
+
+    names: tuple[str, ...]
+    offset: int  # from the start of the data
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileManifest:
+    """What an offload file's header says (see [Note: file format])."""
+
+    path: Path
+    token: str  # unique per offload: a file of another offload is never taken for this one
+    data_offset: int
+    data_nbytes: int
+    chunk_bytes: int
+    chunk_crcs: tuple[int, ...]
+    storages: tuple[StorageEntry, ...]
+
+    @property
+    def file_nbytes(self) -> int:
+        return self.data_offset + self.data_nbytes
+
+    def encode(self) -> bytes:
+        """The header bytes (the writer pads them to ``data_offset``)."""
+        body = json.dumps(
+            {
+                "token": self.token,
+                "data_offset": self.data_offset,
+                "data_nbytes": self.data_nbytes,
+                "chunk_bytes": self.chunk_bytes,
+                "chunk_crcs": [f"{c:08x}" for c in self.chunk_crcs],  # fixed width
+                "storages": [[list(s.names), s.offset, s.nbytes] for s in self.storages],
+            },
+            separators=(",", ":"),
+        ).encode()
+        return _PREFIX.pack(MAGIC, VERSION, len(body), zlib.crc32(body)) + body
+
+
+def read_manifest(path: Path) -> FileManifest:
+    """Parse and check a file's header (not its data); `OffloadFileError` names what is wrong."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise OffloadFileError(path, "missing (deleted, or never completely written)") from None
+    try:
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, _PREFIX.size, 0)
+        if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
+            raise OffloadFileError(path, "no zoffload header (not an offload file, or torn)")
+        _, version, length, crc = _PREFIX.unpack(prefix)
+        if version != VERSION:
+            raise OffloadFileError(path, f"format version {version}, this zoffload reads {VERSION}")
+        body = os.pread(fd, length, _PREFIX.size)
+        if len(body) != length or zlib.crc32(body) != crc:
+            raise OffloadFileError(path, "its header is corrupt (checksum mismatch)")
+    finally:
+        os.close(fd)
+    meta = json.loads(body)
+    manifest = FileManifest(
+        path=path,
+        token=meta["token"],
+        data_offset=meta["data_offset"],
+        data_nbytes=meta["data_nbytes"],
+        chunk_bytes=meta["chunk_bytes"],
+        chunk_crcs=tuple(int(c, 16) for c in meta["chunk_crcs"]),
+        storages=tuple(StorageEntry(tuple(n), o, b) for n, o, b in meta["storages"]),
+    )
+    if size != manifest.file_nbytes:
+        what = "truncated" if size < manifest.file_nbytes else "longer than its header says"
+        raise OffloadFileError(path, f"{what}: {size} bytes, expected {manifest.file_nbytes}")
+    return manifest
+
+
+def check_file(path: str | Path) -> FileManifest:
+    """Check an offload file completely (header, size, every chunk's CRC) and return its header.
+
+    Raises `OffloadFileError` naming the file and the problem.
+    """
+    manifest = read_manifest(Path(path))
+    with open(manifest.path, "rb", buffering=0) as f:
+        for i, (start, stop) in enumerate(_chunks(manifest.data_nbytes, manifest.chunk_bytes)):
+            f.seek(manifest.data_offset + start)
+            data = f.read(stop - start)
+            if zlib.crc32(data) != manifest.chunk_crcs[i]:
+                raise OffloadFileError(manifest.path, _bad_chunk(i, start, stop))
+    return manifest
+
+
+def _bad_chunk(i: int, start: int, stop: int) -> str:
+    return f"chunk {i} (data bytes {start}..{stop}) fails its checksum: the file is corrupt"
+
+
+def _chunks(nbytes: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, nbytes, chunk):
+        yield start, min(start + chunk, nbytes)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (a write may be short)."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _pread_all(fd: int, into: memoryview, offset: int) -> int:
+    """Fill ``into`` from ``offset``; returns the bytes read (short only at end of file)."""
+    done = 0
+    while done < len(into):
+        n = os.preadv(fd, [into[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class _Pieces:
+    """Which byte ranges of which storages a chunk of the layout holds."""
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self._slots = sorted((s for s in slots if s.nbytes), key=lambda s: s.offset)
+        self._starts = [s.offset for s in self._slots]
+
+    def within(self, start: int, stop: int) -> Iterator[tuple[Slot, int, int]]:
+        """(slot, first, last) with layout bytes [first, last) of the slot inside the chunk."""
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        for slot in self._slots[i:]:
+            if slot.offset >= stop:
+                break
+            first, last = max(start, slot.offset), min(stop, slot.offset + slot.nbytes)
+            if first < last:
+                yield slot, first, last
+
+
+class NvmeIO:
+    """Chunked, parallel, optionally direct file I/O for offload files.
+
+    ``threads`` requests are in flight at once, each on its own ``chunk_bytes`` buffer from
+    ``pool``. ``direct``: ``None`` tries O_DIRECT and falls back, ``True`` requires it,
+    ``False`` never uses it.
+    """
+
+    def __init__(
+        self, pool: HostPool, *, threads: int, chunk_bytes: int, direct: bool | None
+    ) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % _BLOCK:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {_BLOCK}")
+        if threads < 1:
+            raise ValueError("threads must be at least 1")
+        self.pool = pool
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+        self.direct = direct
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._noted: set[Path] = set()  # directories whose O_DIRECT fallback was logged
+        self._local = threading.local()  # per worker thread: its CUDA streams
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="zoffload-io")
+            return self._executor
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def write(
+        self,
+        path: Path,
+        slots: list[Slot],
+        layout: Layout,
+        *,
+        pinned: bool,
+        fences: dict[torch.device, torch.cuda.Event],
+    ) -> tuple[FileManifest, bool]:
+        """Write ``slots`` (laid out by ``layout``) to ``path``; returns its manifest and
+        whether O_DIRECT was used. The file exists under ``path`` only once it is complete."""
+        chunks = list(_chunks(layout.nbytes, self.chunk_bytes))
+        draft = FileManifest(
+            path=path,
+            token=uuid.uuid4().hex,
+            data_offset=0,
+            data_nbytes=layout.nbytes,
+            chunk_bytes=self.chunk_bytes,
+            chunk_crcs=(0,) * len(chunks),
+            storages=tuple(StorageEntry(tuple(s.names), s.offset, s.nbytes) for s in slots),
+        )
+        # Checksums are fixed width, so only data_offset's digits can change the length.
+        header_nbytes = align_up(len(draft.encode()) + 32, _BLOCK)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{draft.token[:8]}")
+        fd, direct = self._open_for_write(tmp, header_nbytes)
+        try:
+            crcs = self._run(tmp, fd, header_nbytes, chunks, slots, pinned, fences, write=True)
+            manifest = FileManifest(
+                path, draft.token, header_nbytes, layout.nbytes, self.chunk_bytes,
+                tuple(crcs), draft.storages,
+            )  # fmt: skip
+            header = manifest.encode()
+            self._write_block(fd, header + bytes(header_nbytes - len(header)), 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)  # atomic: the final name only ever names a complete file
+        _fsync_dir(path.parent)
+        return manifest, direct
+
+    def _open_for_write(self, tmp: Path, header_nbytes: int) -> tuple[int, bool]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if self.direct is not False and _O_DIRECT:
+            fd = -1
+            try:
+                fd = os.open(tmp, flags | _O_DIRECT, 0o600)
+                # The zero header doubles as the probe: some filesystems accept the flag at
+                # open and refuse the first write.
+                self._write_block(fd, bytes(header_nbytes), 0)
+                return fd, True
+            except OSError as error:
+                if fd >= 0:
+                    os.close(fd)
+                tmp.unlink(missing_ok=True)
+                if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    raise
+                if self.direct:
+                    raise OffloadError(f"O_DIRECT is not supported for {tmp}: {error}") from error
+                self._note_fallback(tmp.parent, error)
+        fd = os.open(tmp, flags, 0o600)
+        self._write_block(fd, bytes(header_nbytes), 0)
+        return fd, False
+
+    def _note_fallback(self, directory: Path, error: OSError) -> None:
+        with self._lock:
+            if directory in self._noted:
+                return
+            self._noted.add(directory)
+        _log.info("zoffload: no O_DIRECT under %s (%s); buffered I/O + fsync", directory, error)
+
+    def _write_block(self, fd: int, data: bytes, offset: int) -> None:
+        # O_DIRECT needs an aligned source address: copy through a page-aligned region.
+        region = self.pool.allocate(len(data), pinned=False)
+        try:
+            view = region.memoryview(0, len(data))
+            view[:] = data
+            _pwrite_all(fd, view, offset)
+        finally:
+            region.release()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read(
+        self,
+        expected: FileManifest,
+        slots: list[Slot],
+        *,
+        pinned: bool,
+        fences: dict[torch.device, torch.cuda.Event],
+    ) -> None:
+        """Fill the (re-allocated) storages of ``slots`` from ``expected.path``, checking it."""
+        found = read_manifest(expected.path)
+        if found.token != expected.token:
+            raise OffloadFileError(expected.path, "belongs to another offload (token mismatch)")
+        if found != expected:
+            raise OffloadFileError(expected.path, "its header differs from the one written")
+        fd = self._open_for_read(expected.path)
+        try:
+            chunks = list(_chunks(expected.data_nbytes, expected.chunk_bytes))
+            crcs = self._run(
+                expected.path, fd, expected.data_offset, chunks, slots, pinned, fences, write=False
+            )
+        finally:
+            os.close(fd)
+        for i, (crc, want) in enumerate(zip(crcs, expected.chunk_crcs, strict=True)):
+            if crc != want:
+                raise OffloadFileError(expected.path, _bad_chunk(i, *chunks[i]))
+
+    def _open_for_read(self, path: Path) -> int:
+        if self.direct is not False and _O_DIRECT:
+            try:
+                return os.open(path, os.O_RDONLY | _O_DIRECT)
+            except OSError as error:
+                if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    raise
+        return os.open(path, os.O_RDONLY)
+
+    # -- the chunk pipeline ----------------------------------------------------------------
+
+    def _run(
+        self,
+        path: Path,
+        fd: int,
+        base: int,
+        chunks: list[tuple[int, int]],
+        slots: list[Slot],
+        pinned: bool,
+        fences: dict[torch.device, torch.cuda.Event],
+        *,
+        write: bool,
+    ) -> list[int]:
+        if not chunks:
+            return []
+        depth = min(self.threads, len(chunks))
+        region = self.pool.allocate(depth * self.chunk_bytes, pinned=pinned)
+        free: queue.SimpleQueue[int] = queue.SimpleQueue()  # offsets of idle chunk buffers
+        for k in range(depth):
+            free.put(k * self.chunk_bytes)
+        pieces = _Pieces(slots)
+        task = self._write_chunk if write else self._read_chunk
+
+        def one(start: int, stop: int) -> int:
+            at = free.get()
+            try:
+                return task(path, fd, base, start, stop, region, at, pieces, fences)
+            finally:
+                free.put(at)
+
+        futures = []
+        try:
+            for start, stop in chunks:
+                futures.append(self._pool().submit(one, start, stop))
+            return [f.result() for f in futures]  # the first failure propagates
+        finally:
+            for f in futures:
+                f.cancel()
+            for f in futures:
+                if not f.cancelled():
+                    f.exception()  # wait: no task may still use the buffers we release
+            region.release()
+
+    def _write_chunk(
+        self,
+        path: Path,
+        fd: int,
+        base: int,
+        start: int,
+        stop: int,
+        region: HostRegion,
+        at: int,
+        pieces: _Pieces,
+        fences: dict[torch.device, torch.cuda.Event],
+    ) -> int:
+        buf = region.tensor[at : at + (stop - start)]
+        cursor = start
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for slot, first, last in pieces.within(start, stop):
+            if first > cursor:
+                buf[cursor - start : first - start].zero_()  # padding: deterministic bytes
+            src = byte_view(slot.storage, slot.nbytes)[first - slot.offset : last - slot.offset]
+            copies.append((buf[first - start : last - start], src))
+            cursor = last
+        if cursor < stop:
+            buf[cursor - start :].zero_()
+        self._copy_all(copies, fences)
+        view = region.memoryview(at, at + (stop - start))
+        crc = zlib.crc32(view)
+        _pwrite_all(fd, view, base + start)
+        return crc
+
+    def _read_chunk(
+        self,
+        path: Path,
+        fd: int,
+        base: int,
+        start: int,
+        stop: int,
+        region: HostRegion,
+        at: int,
+        pieces: _Pieces,
+        fences: dict[torch.device, torch.cuda.Event],
+    ) -> int:
+        view = region.memoryview(at, at + (stop - start))
+        got = _pread_all(fd, view, base + start)
+        if got != stop - start:
+            raise OffloadFileError(path, "truncated while it was being read")
+        crc = zlib.crc32(view)
+        buf = region.tensor[at : at + (stop - start)]
+        copies = []
+        for slot, first, last in pieces.within(start, stop):
+            dst = byte_view(slot.storage, slot.nbytes)[first - slot.offset : last - slot.offset]
+            copies.append((dst, buf[first - start : last - start]))
+        self._copy_all(copies, fences)
+        return crc
+
+    def _copy_all(
+        self,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        fences: dict[torch.device, torch.cuda.Event],
+    ) -> None:
+        """Do ``dst.copy_(src)`` for each pair; GPU copies on this thread's own stream."""
+        used: set[torch.cuda.Stream] = set()
+        for dst, src in copies:
+            device = dst.device if dst.device.type == "cuda" else src.device
+            if device.type != "cuda":
+                dst.copy_(src)
+                continue
+            stream = self._thread_stream(device, fences.get(device))
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            used.add(stream)
+        for stream in used:
+            stream.synchronize()  # the chunk buffer is reused (or written out) next
+
+    def _thread_stream(
+        self, device: torch.device, fence: torch.cuda.Event | None
+    ) -> torch.cuda.Stream:
+        streams: dict[torch.device, torch.cuda.Stream] = self._local.__dict__.setdefault(
+            "streams", {}
+        )
+        stream = streams.get(device)
+        if stream is None:
+            stream = streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        if fence is not None:
+            stream.wait_event(fence)  # the caller's writes (or allocations) come first
+        return stream
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,205 @@
+"""NVMe files: damaged files are refused by name, a crash mid-write leaves nothing loadable."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoffload
+from zoffload import _nvme
+
+
+def offload_some(offloader, **kwargs):
+    tensors = {"a": torch.randn(100_000), "b": torch.arange(5000), "c": torch.randn(7)}
+    expected = {k: v.clone() for k, v in tensors.items()}
+    return tensors, expected, offloader.offload(tensors, "nvme", **kwargs)
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_file_is_checked_and_described(offloader):
+    tensors, expected, handle = offload_some(offloader)
+    assert handle.path is not None
+    manifest = zoffload.check_file(handle.path)
+    assert manifest.data_offset % 4096 == 0
+    assert manifest.file_nbytes == handle.path.stat().st_size
+    assert [e.names for e in manifest.storages] == [("a",), ("b",), ("c",)]
+    assert len(manifest.chunk_crcs) > 1  # 64 KiB chunks: several requests
+    handle.reload()
+    assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
+
+
+def test_direct_io_where_the_filesystem_allows_it(offloader, tmp_path):
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+        supported = hasattr(os, "O_DIRECT")
+    except OSError:
+        supported = False
+    _, _, handle = offload_some(offloader)
+    assert handle.direct_io is supported
+    handle.reload()
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="Linux only")
+def test_no_o_direct_falls_back_to_buffered_io_with_a_note(offloader, monkeypatch, caplog):
+    # A filesystem that refuses O_DIRECT (tmpfs before Linux 6.6, many network and overlay
+    # filesystems), simulated: the real one under tmp_path may well accept it.
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level("INFO", logger="zoffload"):
+        tensors, expected, handle = offload_some(offloader)
+    assert handle.direct_io is False
+    assert "no O_DIRECT" in caplog.text
+    assert str(offloader.nvme_path) in caplog.text
+    handle.reload()
+    assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
+    strict = zoffload.Offloader(pool=offloader.pool, nvme_path=offloader.nvme_path, direct_io=True)
+    with pytest.raises(zoffload.OffloadError, match="O_DIRECT"):
+        strict.offload({"x": torch.ones(4)}, "nvme")
+    assert not any(offloader.nvme_path.iterdir())
+
+
+def test_missing_file_is_named_and_the_handle_stays_offloaded(offloader):
+    tensors, expected, handle = offload_some(offloader)
+    path = handle.path
+    assert path is not None
+    moved = path.with_suffix(".away")
+    path.rename(moved)
+    with pytest.raises(zoffload.OffloadFileError, match="missing") as info:
+        handle.reload()
+    assert info.value.path == path
+    assert str(path) in str(info.value)
+    assert handle.state == "offloaded"
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors.values())
+    moved.rename(path)  # put it back: the reload can be retried
+    handle.reload()
+    assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("data", "chunk 1 .* fails its checksum"),
+        ("header", "header is corrupt"),
+        ("magic", "no zoffload header"),
+        ("truncate", "truncated"),
+        ("append", "longer than its header says"),
+    ],
+)
+def test_damaged_files_are_refused_by_name(offloader, damage, message):
+    tensors, _, handle = offload_some(offloader)
+    path = handle.path
+    assert path is not None
+    manifest = zoffload.check_file(path)
+    if damage == "data":
+        flip(path, manifest.data_offset + manifest.chunk_bytes + 10)
+    elif damage == "header":
+        flip(path, 40)
+    elif damage == "magic":
+        flip(path, 0)
+    elif damage == "truncate":
+        os.truncate(path, manifest.file_nbytes - 4096)
+    else:
+        with open(path, "ab") as f:
+            f.write(b"\0" * 4096)
+    with pytest.raises(zoffload.OffloadFileError, match=message) as info:
+        handle.reload()
+    assert str(path) in str(info.value)
+    with pytest.raises(zoffload.OffloadFileError, match=message):
+        zoffload.check_file(path)
+    assert handle.state == "offloaded"  # nothing half-filled is taken for good data
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors.values())
+
+
+def test_a_file_of_another_offload_is_refused(offloader):
+    _, _, first = offload_some(offloader)
+    _, _, second = offload_some(offloader)
+    assert first.path is not None
+    assert second.path is not None
+    os.replace(second.path, first.path)
+    with pytest.raises(zoffload.OffloadFileError, match="another offload"):
+        first.reload()
+
+
+def test_a_failed_write_leaves_no_file_and_the_tensors_intact(offloader, monkeypatch):
+    calls = 0
+    real = _nvme._pwrite_all
+
+    def failing(fd, data, offset):
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise OSError(28, "No space left on device")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(_nvme, "_pwrite_all", failing)
+    tensors = {"a": torch.randn(100_000)}
+    expected = tensors["a"].clone()
+    with pytest.raises(OSError, match="No space"):
+        offloader.offload(tensors, "nvme")
+    assert torch.equal(tensors["a"], expected)  # never freed
+    assert zoffload.handle_of(tensors["a"]) is None
+    assert not any(offloader.nvme_path.iterdir())  # no final file, no temporary left
+    # The same failure, non-blocking: reported by wait(), tensors intact.
+    calls = 0
+    handle = offloader.offload(tensors, "nvme", non_blocking=True)
+    with pytest.raises(OSError, match="No space"):
+        handle.wait()
+    assert handle.state == "resident"
+    assert torch.equal(tensors["a"], expected)
+
+
+_CRASH = """
+import os, signal, sys, torch, zoffload
+from zoffload import _nvme
+real, calls = _nvme._pwrite_all, [0]
+def dying(fd, data, offset):
+    calls[0] += 1
+    if calls[0] == 6:  # mid-way through the data, before the header
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(fd, data, offset)
+_nvme._pwrite_all = dying
+off = zoffload.Offloader(nvme_path=sys.argv[1], chunk_bytes=64 << 10)
+off.offload({"x": torch.randn(1 << 20)}, "nvme")
+print("not reached")
+"""
+
+
+def test_a_process_killed_mid_write_leaves_nothing_loadable(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_CRASH), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    left = list(tmp_path.iterdir())
+    assert left, "the crashed write should have left its temporary file"
+    assert all(".tmp-" in f.name for f in left)  # never the final name
+    for f in left:
+        with pytest.raises(zoffload.OffloadFileError, match="no zoffload header") as info:
+            zoffload.check_file(f)
+        assert str(f) in str(info.value)
