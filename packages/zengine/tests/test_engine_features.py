@@ -80,8 +80,11 @@ class TestBadConfig(DistributedTest):
         engine, *_ = zengine.initialize(model=model, config=_config(stage=0))
         with pytest.raises(TypeError, match="loss must be a tensor of one element"):
             engine.backward(torch.ones(3))
+        untouched = TinyGPT()
+        no_optimizer = {"train_batch_size": 2, "zero_optimization": {"stage": 3}}
         with pytest.raises(ValueError, match="no optimizer"):
-            zengine.initialize(model=TinyGPT(), config={"train_batch_size": 2})
+            zengine.initialize(model=untouched, config=no_optimizer)
+        assert not any(hasattr(p, "ds_id") for p in untouched.parameters())
 
 
 class TestSafeGet(DistributedTest):

@@ -66,6 +66,7 @@ def initialize(
     cfg = load_config(config, world_size=dist.get_world_size(group))
     device = torch.device(zcomm.get_accelerator().current_device_name())
     groups, options = _param_groups(model, optimizer, model_parameters)
+    make_optimizer = _optimizer_factory(optimizer, cfg)  # its errors come before any change
     loss_scaler = _loss_scaler(cfg)
     layout: FlatLayout | ShardedLayout
     if cfg.zero_stage == 3:
@@ -75,7 +76,7 @@ def initialize(
         _prepare_dense(model, cfg, group, device)
         layout = FlatLayout(groups, stage=cfg.zero_stage, group=group, device=device)
     zero = ZeroOptimizer(
-        _optimizer_factory(optimizer, cfg),
+        make_optimizer,
         options,
         layout,
         stage=cfg.zero_stage,
