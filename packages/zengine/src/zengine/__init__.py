@@ -19,6 +19,7 @@ from zengine._estimate import (
 from zengine._initialize import initialize
 from zengine._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler
 from zengine._lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zengine._offload_states import get_state_devices
 from zengine._zero_optimizer import ZeroOptimizer
 from zengine.utils import (
     safe_get_full_fp32_param,
@@ -52,6 +53,7 @@ __all__ = [
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",
+    "get_state_devices",
     "initialize",
     "load_config",
     "safe_get_full_fp32_param",

@@ -8,7 +8,8 @@ stage-specific lives in the layout (_layouts.py); everything about the config in
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -16,8 +17,10 @@ from torch import nn
 
 import zcomm
 import zpartition
+from zengine._offload_states import StateOffloader
 from zengine._progress import Progress
 from zengine._zero_optimizer import ZeroOptimizer
+from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = ["Engine"]
 
@@ -43,7 +46,7 @@ class _MallInfo2(ctypes.Structure):
 _TRIM_ABOVE = 64 << 20  # free heap bytes worth handing back
 
 
-def _host_trimmer() -> Callable[[], None]:
+def _host_trimmer(above: int = _TRIM_ABOVE) -> Callable[[], None]:
     """glibc's ``malloc_trim`` when the heap holds much free memory, or nothing where there
     is no glibc.
 
@@ -64,7 +67,7 @@ def _host_trimmer() -> Callable[[], None]:
     trim.argtypes, info.restype = [ctypes.c_size_t], _MallInfo2
 
     def run() -> None:
-        if info().fordblks > _TRIM_ABOVE:
+        if info().fordblks > above:
             trim(0)
 
     return run
@@ -94,6 +97,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0  # backward passes taken
         self.progress = Progress(self, config)
+        self._offloaded = StateOffloader()
         # Only what stage 3 gathers and frees every step is worth handing back: with one rank
         # nothing is gathered (the shards are the parameters).
         gathers = partitioned is not None and zcomm.get_world_size(optimizer.group) > 1
@@ -183,6 +187,32 @@ class Engine(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def offload_states(
+        self,
+        include: Iterable[OffloadStateTypeEnum | str] | None = None,
+        device: OffloadDeviceEnum | str = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+        nvme_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Move training states (all five types by default) to host memory or NVMe files,
+        freeing their memory here; `reload_states` brings them back bit-exact."""
+        if nvme_path is None:
+            nvme_path = self.config.zero_optimization.offload_optimizer.nvme_path
+        self._offloaded.offload(
+            self,
+            include,
+            device,
+            pin_memory=pin_memory,
+            non_blocking=non_blocking,
+            nvme_path=nvme_path,
+        )
+        _host_trimmer(0)()  # the freed memory goes back to the system now
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states` moved, into the same tensors."""
+        self._offloaded.reload(non_blocking=non_blocking)
 
     def destroy(self) -> None:
         """Take the hooks off and drop the optimizer's buffers (DeepSpeed's ``destroy``)."""

@@ -110,6 +110,10 @@ class ZeroOptimizer:
     def cur_scale(self) -> float:
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
 
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """What the torch optimizer steps: flat fp32 masters, or the fp32 shards themselves."""
+        return [tensor for tensor, _ in self._stepped]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient partitions (they are buffers, never set to None)."""
         self.partitions.grad_partitions_flat_buffer.zero_()
