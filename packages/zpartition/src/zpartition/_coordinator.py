@@ -127,6 +127,8 @@ class Coordinator:
         """Release units kept or prefetched for later until `numel` more fit the live limit
         (the units a module needs now are gathered whatever the limit says)."""
         limit = self.config.max_live_parameters
+        if self.channel.live_numel + numel <= limit:
+            return  # the common case: room enough, nothing to look through
         for uid in reversed(list(self._ahead)):
             if self.channel.live_numel + numel <= limit:
                 return

@@ -72,18 +72,25 @@ class ParamDict(dict[str, Any]):
     available is not enough, since the coordinator may release it before it is used.
     """
 
-    __slots__ = ("on_read", "owner")
+    __slots__ = ("on_read", "owner", "stack")
 
     def __init__(
-        self, items: dict[str, Any], owner: object, on_read: Callable[[Any, Any], None]
+        self,
+        items: dict[str, Any],
+        owner: object,
+        stack: list[Any],
+        on_read: Callable[[Any, Any], None],
     ) -> None:
         super().__init__(items)
         self.owner = owner  # the module's hook record (hooks compare it with the running one)
+        self.stack = stack  # the modules whose forward runs, innermost last (the hooks' list)
         self.on_read = on_read  # the partitioned model's reader; it knows what is running
 
     def __getitem__(self, key: str) -> Any:
         value = dict.__getitem__(self, key)
-        if value is not None:
+        stack = self.stack
+        # the owner reading its own, or a read outside any forward: nothing to do (the hot path)
+        if value is not None and stack and stack[-1] is not self.owner:
             self.on_read(self.owner, value)
         return value
 

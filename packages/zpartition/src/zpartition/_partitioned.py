@@ -213,7 +213,7 @@ def partition(
     for info in infos.values():
         m = info.module
         if not isinstance(m._parameters, ParamDict):
-            m._parameters = ParamDict(m._parameters, info, reader)
+            m._parameters = ParamDict(m._parameters, info, state.stack, reader)
     state.install()
     _guard_forward(module, state)
     return Partitioned(module, config, state)
