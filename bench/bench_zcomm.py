@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zcomm
+from _common import run_ranks
 from zcomm.testing import DistributedTest
 
 WORLD = 2
@@ -168,27 +167,7 @@ def _rank_main() -> None:
 
 
 def _launch() -> dict[str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        cmd = [sys.executable, __file__, "--rank"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a benchmark rank failed: exit codes {[p.returncode for p in procs]}")
-    line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
-    parsed: dict[str, object] = json.loads(line.removeprefix("RESULT "))
-    return parsed
+    return run_ranks(__file__, ["--rank"], WORLD)[0]
 
 
 class _OneAllReduce(DistributedTest):

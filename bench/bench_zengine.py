@@ -39,7 +39,6 @@ import importlib.metadata
 import json
 import os
 import queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,8 +52,9 @@ from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from _common import GPT, free_port, rank_env
 
 VOCAB, SEQ, HEADS, BLOCKS = 8192, 256, 4, 4
 HIDDEN, MICRO_BATCH = 256, 4  # the timed model
@@ -84,52 +84,13 @@ WS2 = [DDP, ZENGINE, FSDP, DEEPSPEED]
 MEMORY = [ZENGINE, FSDP, DDP, DEEPSPEED]
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention and an MLP, each residual."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc = nn.Linear(hidden, 4 * hidden)
-        self.out = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (
-            y.view(b, t, HEADS, c // HEADS).transpose(1, 2)
-            for y in self.qkv(self.ln1(x)).split(c, dim=2)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return out
-
-
-class GPT(nn.Module):
-    """Embeddings, BLOCKS blocks, final LayerNorm and head; forward returns the mean loss."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, hidden)
-        self.pos = nn.Embedding(SEQ, hidden)
-        self.blocks = nn.ModuleList(Block(hidden) for _ in range(BLOCKS))
-        self.ln = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, VOCAB)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x))
-        loss: torch.Tensor = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return loss
-
-
 # ---------------------------------------------------------------------------------------------
 # One rank of one contender (a worker process)
+
+
+def _gpt(hidden: int) -> GPT:
+    return GPT(vocab=VOCAB, hidden=hidden, seq=SEQ, heads=HEADS, blocks=BLOCKS)
+
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Step = Callable[[Batch], torch.Tensor]
@@ -183,7 +144,7 @@ def _engine_trainer(library: str, model: nn.Module, micro_batch: int) -> Step:
 
 def _build(label: str, hidden: int, micro_batch: int) -> Step:
     torch.manual_seed(MODEL_SEED)
-    model = GPT(hidden)
+    model = _gpt(hidden)
     if label in (PLAIN, AA, REFERENCE):
         return _trainer(model, torch.optim.Adam(model.parameters(), lr=LR))
     if label == DDP:
@@ -347,27 +308,11 @@ def _reader(proc: subprocess.Popen[str], answers: queue.Queue[dict[str, Any]]) -
     answers.put({"error": f"process exited with code {proc.wait()}"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _start(label: str, world: int, logdir: str, hidden: int, seq: int, micro: int) -> Group:
-    port = _free_port()
+    port = free_port()
     group = Group(label, [], [])
     for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
+        env = dict(rank_env(rank, world, port), OMP_NUM_THREADS="1")
         name = "".join(c if c.isalnum() else "_" for c in label)
         log = os.path.join(logdir, f"{name}.{world}.{rank}.log")
         args = ["--worker", label, str(hidden), str(seq), str(micro)]
@@ -539,7 +484,7 @@ def _print_timed(groups: dict[str, Group], world: int, reference: str, loss_ref:
 
 
 def _print_memory(groups: dict[str, Group]) -> None:
-    params = sum(p.numel() for p in GPT(MEM_HIDDEN).parameters())
+    params = sum(p.numel() for p in _gpt(MEM_HIDDEN).parameters())
     print(
         f"### Memory: {BLOCKS} blocks of hidden {MEM_HIDDEN} ({params / 1e6:.1f} M parameters, "
         f"fp32, Adam), world size {WORLD}, sequence {MEM_SEQ}, micro-batch {MEM_MICRO_BATCH}, "
@@ -593,7 +538,7 @@ def main() -> None:
         deepspeed = importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
         deepspeed = "not installed"
-    params = sum(p.numel() for p in GPT(HIDDEN).parameters())
+    params = sum(p.numel() for p in _gpt(HIDDEN).parameters())
     print(
         f"## zengine ZeRO-3 vs plain PyTorch, DDP, FSDP2 and DeepSpeed: {BLOCKS}-block GPT, "
         f"hidden {HIDDEN}, sequence {SEQ}, vocab {VOCAB} ({params / 1e6:.1f} M parameters), "

@@ -33,9 +33,7 @@ import cProfile
 import json
 import os
 import pstats
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -43,12 +41,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import zcomm
 import zpartition
+from _common import GPT, Block, run_ranks
 
 VOCAB, HIDDEN, SEQ, HEADS, BLOCKS, MICRO_BATCH = 256, 64, 64, 4, 48, 4
 LR = 1e-3
@@ -70,50 +68,6 @@ ZP_DEFAULT = "zpartition, default config (threshold 1e5: all persist)"
 FSDP, FSDP_FUSED = "FSDP2 per block", "FSDP2 per block, fused Adam"
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention and an MLP, each residual."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(HIDDEN)
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.ln2 = nn.LayerNorm(HIDDEN)
-        self.fc = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.out = nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (
-            y.view(b, t, HEADS, c // HEADS).transpose(1, 2)
-            for y in self.qkv(self.ln1(x)).split(c, dim=2)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return out
-
-
-class GPT(nn.Module):
-    """Embeddings, BLOCKS blocks, final LayerNorm and head; forward returns the mean loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, HIDDEN)
-        self.pos = nn.Embedding(SEQ, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.ln = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x))
-        loss: torch.Tensor = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return loss
-
-
 Batch = tuple[torch.Tensor, torch.Tensor]
 Step = Callable[[Batch], torch.Tensor]
 
@@ -131,7 +85,7 @@ def _batches(global_batch: int) -> list[Batch]:
 
 def _model() -> GPT:
     torch.manual_seed(MODEL_SEED)
-    return GPT()
+    return GPT(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, heads=HEADS, blocks=BLOCKS)
 
 
 def _trainer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
@@ -321,30 +275,7 @@ def _rank_main() -> None:
 
 
 def _ws2() -> dict[str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        cmd = [sys.executable, __file__, "--rank", *(["--quick"] if QUICK else [])]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a benchmark rank failed: exit codes {[p.returncode for p in procs]}")
-    ranks = [
-        json.loads(
-            next(x for x in out.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")
-        )
-        for out in outputs
-    ]
+    ranks = run_ranks(__file__, ["--rank", *(["--quick"] if QUICK else [])], WORLD)
     parsed: dict[str, object] = dict(ranks[0], times=[r["times"] for r in ranks])
     return parsed
 
