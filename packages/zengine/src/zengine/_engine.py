@@ -147,6 +147,8 @@ class Engine(nn.Module):
                 f"{type(loss).__name__}{shape}"
             )
         with self.progress.timed("backward"):
+            if self.is_gradient_accumulation_boundary():
+                self.optimizer.prefetch_states()  # NVMe offload: read while backward runs
             self.optimizer.layout.before_backward()
             scaled = loss.float()
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:

@@ -8,6 +8,7 @@ scaler, and returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -22,6 +23,7 @@ from zengine._engine import Engine
 from zengine._layouts import FlatLayout, ShardedLayout
 from zengine._loss_scaler import DynamicLossScaler, StaticLossScaler
 from zengine._lr_schedules import build_scheduler
+from zengine._offload_optimizer import NvmeStateSwapper
 from zengine._zero_optimizer import LossScaler, ZeroOptimizer
 
 __all__ = ["initialize"]
@@ -68,13 +70,14 @@ def initialize(
     groups, options = _param_groups(model, optimizer, model_parameters)
     make_optimizer = _optimizer_factory(optimizer, cfg)  # its errors come before any change
     loss_scaler = _loss_scaler(cfg)
+    offload = _offload_masters(cfg)
     layout: FlatLayout | ShardedLayout
     if cfg.zero_stage == 3:
         handle, layout = _stage3(model, groups, cfg, group, device)
     else:
         handle = None
         _prepare_dense(model, cfg, group, device)
-        layout = FlatLayout(groups, stage=cfg.zero_stage, group=group, device=device)
+        layout = FlatLayout(groups, stage=cfg.zero_stage, group=group, device=device, **offload)
     zero = ZeroOptimizer(
         make_optimizer,
         options,
@@ -84,6 +87,7 @@ def initialize(
         loss_scaler=loss_scaler,
         clip=float(cfg.gradient_clipping),
     )
+    _swap_to_nvme(zero, cfg)
     for g in groups:
         for p in g:
             p.__dict__["_zengine_optimizer"] = zero  # how the safe_get_* functions find it
@@ -141,6 +145,31 @@ def _prepare_dense(
         zcomm.broadcast(tensor.data, src, group=group)
 
 
+def _offload_masters(cfg: EngineConfig) -> dict[str, Any]:
+    """Where the layouts keep the masters: on the host with ``offload_optimizer``, and a copy
+    of their own with NVMe (which empties them between steps)."""
+    device = cfg.zero_optimization.offload_optimizer.device
+    if device == "none":
+        return {}
+    if cfg.zero_stage == 0:
+        raise ValueError(
+            "zero_optimization.offload_optimizer: needs ZeRO stage 1, 2 or 3 (the stage is 0)"
+        )
+    return {"master_device": torch.device("cpu"), "own_masters": device == "nvme"}
+
+
+def _swap_to_nvme(zero: ZeroOptimizer, cfg: EngineConfig) -> None:
+    """``offload_optimizer.device: nvme``: the masters and the state go to files under
+    ``nvme_path`` (one folder per rank) between steps."""
+    settings = cfg.zero_optimization.offload_optimizer
+    if settings.device != "nvme":
+        return
+    assert settings.nvme_path is not None  # the config requires it with nvme
+    folder = Path(settings.nvme_path) / f"zengine-optimizer-rank{zcomm.get_rank()}"
+    zero.swapper = NvmeStateSwapper(zero.optimizer, folder, pin_memory=settings.pin_memory)
+    zero.swap_out_states()
+
+
 def _stage3(
     model: nn.Module,
     groups: list[list[nn.Parameter]],
@@ -158,11 +187,36 @@ def _stage3(
             p.data = p.data.to(device, cfg.dtype if p.is_floating_point() else p.dtype)
     for b in model.buffers():
         b.data = b.data.to(device)
-    handle = zpartition.partition(model, config=cfg.zero_param_config(), group=group)
+    shard_device = _offload_params(model, cfg, device)
+    handle = zpartition.partition(
+        model, config=cfg.zero_param_config(), group=group, shard_device=shard_device
+    )
     grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]
-    layout = ShardedLayout(groups, group=group, device=device, grad_dtype=grad_dtype)
+    layout = ShardedLayout(
+        groups, group=group, device=device, grad_dtype=grad_dtype, **_offload_masters(cfg)
+    )
     handle.set_gradient_sink(layout.sink)
     return handle, layout
+
+
+def _offload_params(model: nn.Module, cfg: EngineConfig, device: torch.device) -> torch.device:
+    """``offload_param.device: cpu``: the shards on the host (pinned if asked), copied to the
+    device before each all-gather; returns where the shards live."""
+    settings = cfg.zero_optimization.offload_param
+    if settings.device == "none":
+        return device
+    if settings.device == "nvme":
+        raise ValueError(
+            "zero_optimization.offload_param.device: 'nvme' is not supported yet; use 'cpu' "
+            "(offload_optimizer supports 'nvme')"
+        )
+    host = torch.device("cpu")
+    pin = settings.pin_memory and torch.cuda.is_available()
+    for p in zpartition_params(model):
+        if zpartition.is_zero_param(p) and p.ds_tensor.device != host:
+            shard = p.ds_tensor.to(host)
+            p.ds_tensor = shard.pin_memory() if pin else shard
+    return host
 
 
 def _optimizer_factory(
@@ -187,6 +241,8 @@ def _optimizer_factory(
         params.setdefault("weight_decay", 0.0)  # DeepSpeed's default, not torch AdamW's 0.01
     if kind == "adam" and cfg.optimizer.params.get("adam_w_mode", True):
         kind = "adamw"  # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is off
+    if kind in ("adam", "adamw") and cfg.zero_optimization.offload_optimizer.device != "none":
+        params["fused"] = True  # the step runs on the host: torch's fused CPU kernel
     cls = _OPTIMIZERS[kind]
     return lambda groups: cls(groups, **params)
 

@@ -10,6 +10,12 @@ partitions are all-gathered back into the parameters.
 `ShardedLayout` (stage 3): zpartition owns the parameters; its gradient sink adds each reduced
 shard gradient into the partition's gradient buffer, and after the step the masters are copied
 into the shards (``ds_tensor``).
+
+With ``offload_optimizer`` the partitions (masters and gradients) live on `master_device`, the
+host: reduced gradients are copied there as they arrive, and the updated masters are copied back
+after the step. `own_masters` keeps the masters a copy of their own even where the parameters
+could serve (fp32 on the same device): NVMe offload empties the masters between steps, and the
+parameters must stay.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import increment_version
 
 import zcomm
 from zengine._partitions import Partitions
@@ -32,6 +39,11 @@ def _padded(numel: int, world: int) -> int:
     return -(-numel // world) * world
 
 
+def _add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src``, copying `src` to `dst`'s device first (the host, when offloading)."""
+    dst.add_(src if src.device == dst.device else src.to(dst.device))
+
+
 class FlatLayout:
     """Stages 0-2: parameters as views of one flat buffer per group."""
 
@@ -42,6 +54,8 @@ class FlatLayout:
         stage: int,
         group: dist.ProcessGroup | None,
         device: torch.device,
+        master_device: torch.device | None = None,
+        own_masters: bool = False,
     ) -> None:
         self.stage = stage
         self.group = group
@@ -61,10 +75,17 @@ class FlatLayout:
             pieces.append(self._pieces(params, layout, lo, lo + size))
             sizes.append(size)
         # fp32 parameters are their own masters: the optimizer steps this rank's slice in place
-        self.aliased = all(f.dtype == torch.float32 for f in self.flats)
+        master_device = master_device or device
+        self.aliased = (
+            not own_masters
+            and master_device == device
+            and all(f.dtype == torch.float32 for f in self.flats)
+        )
         self._sizes = sizes
         mine = [self._mine(flat, g) for g, flat in enumerate(self.flats)]
-        self.partitions = Partitions(pieces, device, sizes, masters=mine if self.aliased else None)
+        self.partitions = Partitions(
+            pieces, master_device, sizes, masters=mine if self.aliased else None
+        )
         if not self.aliased:
             for master, part in zip(self.partitions.masters, mine, strict=True):
                 master.copy_(part)
@@ -123,11 +144,11 @@ class FlatLayout:
         mine = self.partitions.grads[g]
         if self.stage == 0:
             zcomm.all_reduce(grads, op=zcomm.ReduceOp.AVG, group=self.group)
-            mine.add_(grads)
+            _add_into(mine, grads)
             return
         part = grads.new_empty(mine.numel())
         zcomm.reduce_scatter_tensor(part, grads, op=zcomm.ReduceOp.AVG, group=self.group)
-        mine.add_(part)
+        _add_into(mine, part)
 
     def write_back(self) -> None:
         """Copy the updated masters into the parameters (all-gathering the partitions)."""
@@ -138,7 +159,7 @@ class FlatLayout:
                     flat.copy_(master)
                 continue
             # a copy: the input must not lie inside the output (it does when aliased)
-            mine = master.to(flat.dtype, copy=True)
+            mine = master.to(flat.device, flat.dtype, copy=True)
             zcomm.all_gather_into_tensor(flat, mine, group=self.group)
 
 
@@ -152,6 +173,8 @@ class ShardedLayout:
         group: dist.ProcessGroup | None,
         device: torch.device,
         grad_dtype: torch.dtype,
+        master_device: torch.device | None = None,
+        own_masters: bool = False,
     ) -> None:
         self.params = [cast("list[ZeroParameter]", list(g)) for g in groups]
         rank = dist.get_rank(group)
@@ -159,24 +182,30 @@ class ShardedLayout:
             [(p, rank * p.ds_tensor.numel(), p.ds_tensor.numel()) for p in g] for g in self.params
         ]
         sizes = [sum(n for _, _, n in g) for g in pieces]
-        shard_device = self.params[0][0].ds_tensor.device if self.params[0] else device
         every = [p for g in self.params for p in g]
+        shard_device = every[0].ds_tensor.device if every else device
+        master_device = master_device or shard_device
         # fp32 shards are their own masters: the optimizer steps them in place, no copy
-        self.aliased = all(p.ds_tensor.dtype == torch.float32 for p in every)
+        self.aliased = (
+            not own_masters
+            and master_device == shard_device
+            and all(p.ds_tensor.dtype == torch.float32 for p in every)
+        )
         shards = {id(p): p.ds_tensor for p in every} if self.aliased else None
-        self.partitions = Partitions(pieces, shard_device, sizes, grad_dtype, shards=shards)
+        self.partitions = Partitions(pieces, master_device, sizes, grad_dtype, shards=shards)
         self._grads = {id(p): self.partitions.grad_of(p) for p in every}
         self._shards = [p.ds_tensor for p in every]
         self._masters = [self.partitions.master_of(p) for p in every]
+        self._same_device = master_device == shard_device  # foreach copies need one device
         if not self.aliased:
-            torch._foreach_copy_(self._masters, self._shards)  # type: ignore[arg-type]
+            self._copy(self._masters, self._shards)  # type: ignore[arg-type]
 
     def sink(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
         """zpartition's gradient sink: accumulate reduced shard gradients in fp32."""
         for p, grad in zip(params, grads, strict=True):
             mine = self._grads.get(id(p))
             if mine is not None:  # frozen parameters have no master
-                mine.add_(grad)
+                _add_into(mine, grad)
 
     def before_backward(self) -> None:
         pass
@@ -186,4 +215,14 @@ class ShardedLayout:
 
     def write_back(self) -> None:
         if not self.aliased:
-            torch._foreach_copy_(self._shards, self._masters)  # type: ignore[arg-type]
+            self._copy(self._shards, self._masters)  # type: ignore[arg-type]
+        # zpartition gathers a persistent unit again when its shards' version counter moved;
+        # torch's fused optimizers write in place without moving it: say it moved
+        increment_version(self._shards)
+
+    def _copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        if self._same_device:
+            torch._foreach_copy_(dst, src)
+            return
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)  # blocking: NVMe offload may empty the masters right after

@@ -23,7 +23,7 @@ __all__ = ["StateOffloader", "get_state_devices"]
 
 def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.Tensor]:
     """The tensors the engine holds for `state`, by name (empty tensors left out)."""
-    optimizer = engine.optimizer
+    optimizer = engine.optimizer.resident()  # not on NVMe behind offload_optimizer's back
     parts = optimizer.partitions
     found: dict[str, torch.Tensor] = {}
     if state is OffloadStateTypeEnum.optim_states:

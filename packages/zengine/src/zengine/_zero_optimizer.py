@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
+from zengine._offload_optimizer import NvmeStateSwapper
 from zengine._partitions import Partitions
 
 __all__ = ["Layout", "LossScaler", "ZeroOptimizer"]
@@ -83,6 +84,26 @@ class ZeroOptimizer:
         self.optimizer = make_optimizer(groups)
         self.global_grad_norm: float | None = None  # of the last step, before clipping
         self.skipped_steps = 0
+        self.swapper: NvmeStateSwapper | None = None  # offload_optimizer to NVMe, else None
+
+    # -- the state on NVMe between steps (offload_optimizer) ---------------------------------
+
+    def swap_out_states(self) -> None:
+        """With NVMe offload, write the masters and the state out (after a step, at start)."""
+        if self.swapper is not None:
+            self.swapper.swap_out()
+
+    def prefetch_states(self) -> None:
+        """With NVMe offload, start reading the state back (at the boundary's backward)."""
+        if self.swapper is not None:
+            self.swapper.prefetch()
+
+    def resident(self) -> ZeroOptimizer:
+        """The masters and the state in memory (read back from NVMe if they were out); they
+        stay in until the next step writes them out again."""
+        if self.swapper is not None:
+            self.swapper.swap_in()
+        return self
 
     # -- what DeepSpeed's ZeRO optimizers expose -------------------------------------------
 
@@ -148,11 +169,13 @@ class ZeroOptimizer:
         if low:
             for tensor, grad in self._stepped:
                 tensor.grad = grad.float()
+        self.resident()
         self.optimizer.step()
         if low:
             for tensor, _ in self._stepped:
                 tensor.grad = None
         self.layout.write_back()
+        self.swap_out_states()
         self.zero_grad()
         return True
 
@@ -168,6 +191,8 @@ class ZeroOptimizer:
 
     def destroy(self) -> None:
         """Drop the state and the flat buffers (the engine is done with them)."""
+        self.resident()  # no write or read of it still in flight
+        self.swapper = None
         self.optimizer.state.clear()
         empty = torch.empty(0)
         self.partitions.fp32_partitions_flat = None
@@ -177,8 +202,10 @@ class ZeroOptimizer:
         self._stepped.clear()
 
     def state_dict(self) -> dict[str, Any]:
+        self.resident()
         return {"optimizer": self.optimizer.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resident()
         self.optimizer.load_state_dict(state["optimizer"])
         self.skipped_steps = state.get("skipped_steps", 0)

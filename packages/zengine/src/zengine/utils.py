@@ -34,7 +34,8 @@ def _owner(param: torch.Tensor) -> tuple[ZeroOptimizer, Fragment] | None:
     if optimizer is None:
         return None
     frag = optimizer.partitions.fragments.get(id(param))
-    return None if frag is None else (optimizer, frag)
+    # with NVMe offload the masters and state may be on disk between steps: read them back
+    return None if frag is None else (optimizer.resident(), frag)
 
 
 def _state_of(optimizer: ZeroOptimizer, param: torch.Tensor, key: str) -> torch.Tensor:

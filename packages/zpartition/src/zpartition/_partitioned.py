@@ -181,20 +181,23 @@ def partition(
     config: ZeroParamConfig | None = None,
     group: dist.ProcessGroup | None = None,
     gradient_sink: GradientSink | None = None,
+    shard_device: torch.device | None = None,
 ) -> Partitioned:
     """Partition `module`'s parameters across `group` (the world by default) and hook it.
 
     Parameters built under `Init` keep their shards; others are made equal to rank 0's and cut
     here. Modules then gather their parameters to run forward and backward and release them
     after; each rank's averaged gradients land in ``ds_tensor.grad``, or are handed to
-    `gradient_sink` (an optimizer keeping its own fp32 gradients does that).
+    `gradient_sink` (an optimizer keeping its own fp32 gradients does that). `shard_device` is
+    where the shards of parameters cut here live (their own device by default; the host for
+    parameter offload: each all-gather then copies the shard to the compute device first).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition: module must be an nn.Module, got {type(module).__name__}")
     config = config or ZeroParamConfig()
     if not dist.is_initialized():
         zcomm.init_distributed()
-    convert_module(module, group=group, recurse=True)
+    convert_module(module, group=group, recurse=True, shard_device=shard_device)
     if config.module_granularity_threshold:
         leaf_modules_by_granularity(module, config.module_granularity_threshold)
     channel = channel_for(group)

@@ -152,7 +152,9 @@ class Unit:
             offsets.append(end)
             end = _aligned(end + c * p.element_size())
         first = self.params[0].ds_tensor if self.params else torch.empty(0)
-        self.shard = torch.zeros(end, dtype=torch.uint8, device=first.device)
+        self.shard = torch.zeros(
+            end, dtype=torch.uint8, device=first.device, pin_memory=first.is_pinned()
+        )  # pinned shards (parameter offload) copy to the device asynchronously
         self.offsets = offsets
         for p, c, off in zip(self.params, self.chunks, offsets, strict=True):
             view = self.shard[off : off + c * p.element_size()].view(p.dtype)
