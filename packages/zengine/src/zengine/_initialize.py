@@ -24,6 +24,7 @@ from zengine._layouts import FlatLayout, ShardedLayout
 from zengine._loss_scaler import DynamicLossScaler, StaticLossScaler
 from zengine._lr_schedules import build_scheduler
 from zengine._offload_optimizer import NvmeStateSwapper
+from zengine._offload_param import NvmeShardStore
 from zengine._zero_optimizer import LossScaler, ZeroOptimizer
 
 __all__ = ["initialize"]
@@ -195,21 +196,18 @@ def _stage3(
     layout = ShardedLayout(
         groups, group=group, device=device, grad_dtype=grad_dtype, **_offload_masters(cfg)
     )
+    _shards_to_nvme(handle, layout, cfg)
     handle.set_gradient_sink(layout.sink)
     return handle, layout
 
 
 def _offload_params(model: nn.Module, cfg: EngineConfig, device: torch.device) -> torch.device:
-    """``offload_param.device: cpu``: the shards on the host (pinned if asked), copied to the
-    device before each all-gather; returns where the shards live."""
+    """``offload_param``: the shards on the host (pinned if asked), copied to the device before
+    each all-gather (with ``nvme`` they wait in files while released, `_shards_to_nvme`);
+    returns where the shards live."""
     settings = cfg.zero_optimization.offload_param
     if settings.device == "none":
         return device
-    if settings.device == "nvme":
-        raise ValueError(
-            "zero_optimization.offload_param.device: 'nvme' is not supported yet; use 'cpu' "
-            "(offload_optimizer supports 'nvme')"
-        )
     host = torch.device("cpu")
     pin = settings.pin_memory and torch.cuda.is_available()
     for p in zpartition_params(model):
@@ -217,6 +215,17 @@ def _offload_params(model: nn.Module, cfg: EngineConfig, device: torch.device) -
             shard = p.ds_tensor.to(host)
             p.ds_tensor = shard.pin_memory() if pin else shard
     return host
+
+
+def _shards_to_nvme(
+    handle: zpartition.Partitioned, layout: ShardedLayout, cfg: EngineConfig
+) -> None:
+    settings = cfg.zero_optimization.offload_param
+    if settings.device != "nvme":
+        return
+    assert settings.nvme_path is not None  # the config requires it with nvme
+    handle.set_shard_store(NvmeShardStore(settings.nvme_path, zcomm.get_rank()))
+    layout.partitioned = handle  # the step brings every shard in, and sends them back after
 
 
 def _optimizer_factory(

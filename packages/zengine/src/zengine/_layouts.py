@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 import zcomm
+import zpartition
 from zengine._partitions import Partitions
 from zpartition import ZeroParameter
 
@@ -150,6 +151,9 @@ class FlatLayout:
         zcomm.reduce_scatter_tensor(part, grads, op=zcomm.ReduceOp.AVG, group=self.group)
         _add_into(mine, part)
 
+    def before_step(self) -> None:
+        pass
+
     def write_back(self) -> None:
         """Copy the updated masters into the parameters (all-gathering the partitions)."""
         for g, flat in enumerate(self.flats):
@@ -197,6 +201,8 @@ class ShardedLayout:
         self._shards = [p.ds_tensor for p in every]
         self._masters = [self.partitions.master_of(p) for p in every]
         self._same_device = master_device == shard_device  # foreach copies need one device
+        # set with offload_param to NVMe: its shards must be in memory for the step
+        self.partitioned: zpartition.Partitioned | None = None
         if not self.aliased:
             self._copy(self._masters, self._shards)  # type: ignore[arg-type]
 
@@ -213,12 +219,18 @@ class ShardedLayout:
     def after_backward(self, boundary: bool) -> None:
         pass  # zpartition reduced the gradients during backward
 
+    def before_step(self) -> None:
+        if self.partitioned is not None:
+            self.partitioned.fetch_shards()  # offload_param to NVMe: the step writes them all
+
     def write_back(self) -> None:
         if not self.aliased:
             self._copy(self._shards, self._masters)  # type: ignore[arg-type]
         # zpartition gathers a persistent unit again when its shards' version counter moved;
         # torch's fused optimizers write in place without moving it: say it moved
         increment_version(self._shards)
+        if self.partitioned is not None:
+            self.partitioned.evict_shards()
 
     def _copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         if self._same_device:

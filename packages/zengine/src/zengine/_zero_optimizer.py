@@ -34,6 +34,7 @@ class Layout(Protocol):
 
     def before_backward(self) -> None: ...
     def after_backward(self, boundary: bool) -> None: ...
+    def before_step(self) -> None: ...
     def write_back(self) -> None: ...
 
 
@@ -99,10 +100,11 @@ class ZeroOptimizer:
             self.swapper.prefetch()
 
     def resident(self) -> ZeroOptimizer:
-        """The masters and the state in memory (read back from NVMe if they were out); they
-        stay in until the next step writes them out again."""
+        """The masters, the state and the shards in memory (read back from NVMe if they were
+        out); they stay in until the next step writes them out again."""
         if self.swapper is not None:
             self.swapper.swap_in()
+        self.layout.before_step()  # offload_param to NVMe: the shards (masters, if aliased)
         return self
 
     # -- what DeepSpeed's ZeRO optimizers expose -------------------------------------------

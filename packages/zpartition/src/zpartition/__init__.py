@@ -26,6 +26,7 @@ from zpartition._param import ZeroParameter
 from zpartition._partitioned import Partitioned, partition
 from zpartition._reduce import GradientSink
 from zpartition._status import ZeroParamStatus
+from zpartition._store import ShardStore
 from zpartition._tensors import apply_to_tensors_only, is_zero_param
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "GradientSink",
     "Init",
     "Partitioned",
+    "ShardStore",
     "ZeroParamConfig",
     "ZeroParamError",
     "ZeroParamStatus",

@@ -21,6 +21,7 @@ from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
 from zpartition._param import ZeroParameter, convert_parameter, next_module_id, zero_params
 from zpartition._reduce import GradientSink
 from zpartition._status import ZeroParamStatus
+from zpartition._store import ShardStore
 from zpartition._unit import Unit
 
 __all__ = ["Partitioned", "convert_module", "partition"]
@@ -130,6 +131,32 @@ class Partitioned:
     def set_gradient_sink(self, sink: GradientSink | None) -> None:
         """Hand reduced shard gradients to `sink` from now on (None: ``ds_tensor.grad``)."""
         self._state.sink = sink
+
+    def set_shard_store(self, store: ShardStore | None) -> None:
+        """Keep the shards of released units in `store` (see `ShardStore`); the persistent
+        unit's stay in memory. Released units' shards go there now."""
+        for u in self.units:
+            if u.persistent:
+                continue
+            if u.store is not None and store is not u.store:
+                u.store.fetch([u.shard])
+            u.store = store
+            if store is not None and u.status is ZeroParamStatus.NOT_AVAILABLE:
+                store.evict(u.shard)
+
+    def fetch_shards(self) -> None:
+        """Every shard in memory (to write them all, as an optimizer step does)."""
+        stored = [u for u in self.units if u.store is not None]
+        if stored:
+            store = stored[0].store
+            assert store is not None
+            store.fetch([u.shard for u in stored])
+
+    def evict_shards(self) -> None:
+        """The shards of released units back to their store (after `fetch_shards`)."""
+        for u in self.units:
+            if u.store is not None and u.status is ZeroParamStatus.NOT_AVAILABLE:
+                u.store.evict(u.shard)
 
     @property
     def peak_live_numel(self) -> int:

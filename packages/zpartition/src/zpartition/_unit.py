@@ -25,6 +25,7 @@ import zcomm
 from zpartition._channel import Channel, Kind
 from zpartition._param import ZeroParameter
 from zpartition._status import ZeroParamStatus
+from zpartition._store import ShardStore
 
 __all__ = ["Unit", "issue_gathers"]
 
@@ -77,6 +78,11 @@ class _Gather:
 def issue_gathers(units: Sequence[Unit]) -> None:
     """Start the all-gather of `units` (agreed with the other ranks first) as one collective:
     a prefetch bucket of many small modules costs one collective's latency, not one each."""
+    stored = [u for u in units if u.store is not None]
+    if stored:
+        store = stored[0].store
+        assert store is not None
+        store.fetch([u.shard for u in stored])  # offloaded shards come back first
     remote = []
     for u in units:
         u.channel.count_live(0 if u.persistent else u.numel)
@@ -124,6 +130,7 @@ class Unit:
         self.numel = sum(int(p.ds_numel) for p in self.params)
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self._gathered_version = -1  # the shards' version at the last refresh
+        self.store: ShardStore | None = None  # where the shard waits while released, if away
         world = channel.size
         self.chunks = [math.ceil(int(p.ds_numel) / world) for p in self.params]
         self._build_shard()
@@ -223,6 +230,8 @@ class Unit:
         if not self.direct:
             self.full.untyped_storage().resize_(0)
         self.status = _NOT_AVAILABLE
+        if self.store is not None:
+            self.store.evict(self.shard)
 
     def refresh(self) -> None:
         """Gather again if the shards changed since the last gather (an optimizer stepped);

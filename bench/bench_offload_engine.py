@@ -1,0 +1,148 @@
+"""ZeRO-Infinity on CPU: zengine stage 3 with ``offload_optimizer: {device: nvme}`` against the
+same run without offload, world size 1: time per step and the memory the masters and Adam
+state stop holding between steps.
+
+Run by ``nox -s bench -- offload_engine`` (or ``python bench/bench_offload_engine.py``); prints
+markdown. ``ZOFFLOAD_BENCH_DIR`` picks the disk (default: a temporary directory). Each contender
+runs in its own fresh process (memory figures are per process), in alternating order, and
+reports the median of its timed steps; ratios are medians of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from _common import GPT
+
+HIDDEN, BLOCKS, SEQ, VOCAB, HEADS, MICRO = 512, 4, 128, 8192, 4, 4
+WARMUP, STEPS, ROUNDS = 2, 5, 3
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """Bytes held, by storage (views of one buffer count once)."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def _worker(mode: str, folder: str) -> None:
+    import zengine
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, heads=HEADS, blocks=BLOCKS)
+    zero: dict[str, Any] = {"stage": 3}
+    if mode == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+    }
+    engine, *_ = zengine.initialize(model=model, config=config)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+    times, losses = [], []
+    for i in range(WARMUP + STEPS):
+        start = time.perf_counter()
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    swapper = engine.optimizer.swapper
+    if swapper is not None and swapper._handle is not None:
+        swapper._handle.wait()  # the write of the last step is done: its memory is free
+    state = [*engine.optimizer.stepped_tensors()]
+    state += [v for t in state for v in engine.optimizer.state[t].values() if v.dim() > 0]
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "step_ms": 1000 * statistics.median(times),
+                "rss": _rss_mib(),
+                "held": sum(_storages(state).values()) / (1 << 20),
+                "state": sum(t.numel() * t.element_size() for t in state) / (1 << 20),
+                "losses": losses,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _run(mode: str, folder: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", mode, folder],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result
+
+
+def main() -> None:
+    root = os.environ.get("ZOFFLOAD_BENCH_DIR")
+    folder = tempfile.mkdtemp(prefix="zengine-offload-bench-", dir=root)
+    try:
+        runs: dict[str, list[dict[str, Any]]] = {"none": [], "nvme": []}
+        for r in range(ROUNDS):
+            for mode in ("none", "nvme") if r % 2 == 0 else ("nvme", "none"):
+                runs[mode].append(_run(mode, folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    ratio = statistics.median(
+        n["step_ms"] / p["step_ms"] for n, p in zip(runs["nvme"], runs["none"], strict=True)
+    )
+    diff = max(
+        abs(a - b) / abs(b)
+        for n, p in zip(runs["nvme"], runs["none"], strict=True)
+        for a, b in zip(n["losses"], p["losses"], strict=True)
+    )
+    print(
+        f"### ZeRO-Infinity on CPU: GPT hidden {HIDDEN}, {BLOCKS} blocks, world size 1, "
+        f"stage 3, Adam; medians of {ROUNDS} fresh processes x {STEPS} steps\n"
+    )
+    print(
+        "| run | ms per step | step / no offload | RSS after the run, MiB | "
+        "masters + Adam state held in memory, MiB (of) | loss, max relative difference |"
+    )
+    print("|---|---:|---:|---:|---:|---|")
+    for mode, label in (("none", "no offload"), ("nvme", "offload_optimizer nvme")):
+        rs = runs[mode]
+        print(
+            f"| {label} | {statistics.median(r['step_ms'] for r in rs):.1f} | "
+            f"{1.0 if mode == 'none' else ratio:.3f} | "
+            f"{statistics.median(r['rss'] for r in rs):.0f} | "
+            f"{statistics.median(r['held'] for r in rs):.1f} "
+            f"({statistics.median(r['state'] for r in rs):.1f}) | "
+            f"{'reference' if mode == 'none' else f'{diff:.1e}'} |"
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3])
+    else:
+        main()
