@@ -31,6 +31,10 @@ CONFIGS = {
         param_persistence_threshold=0, reduce_bucket_size=700, overlap_comm=False
     ),
     "small-buckets-overlap": ZeroParamConfig(param_persistence_threshold=0, reduce_bucket_size=700),
+    "kept-buckets": ZeroParamConfig(param_persistence_threshold=0, persistent_grad_buckets=True),
+    "kept-small-buckets": ZeroParamConfig(
+        param_persistence_threshold=0, reduce_bucket_size=700, persistent_grad_buckets=True
+    ),
     "granularity": ZeroParamConfig(
         param_persistence_threshold=0, module_granularity_threshold=10**6
     ),
@@ -62,6 +66,25 @@ class TestParity(DistributedTest):
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
         for n, value in _full(model).items():
             torch.testing.assert_close(value, reference.get_parameter(n), rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_kept_bucket_is_one_buffer_across_passes(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        config = ZeroParamConfig(param_persistence_threshold=0, persistent_grad_buckets=True)
+        handle = zpartition.partition(model, config=config)
+        assert handle.grad_buffers == []  # made by the first backward
+        data = batches(3, 4)
+        _train(model, handle, data[:1])
+        (buffer,) = handle.grad_buffers
+        # freed in between (as offload_states does), it is given memory again and reused
+        buffer.untyped_storage().resize_(0)
+        _train(model, handle, data[1:])
+        assert handle.grad_buffers == [buffer]
+        assert buffer.untyped_storage().nbytes() > 0
+        plain = zpartition.partition(TinyGPT(), config=CONFIGS["per-module"])
+        _train(plain.module, plain, data[:1])
+        assert plain.grad_buffers == []  # without the option, buckets live while reduced
 
     @SIZES
     def test_leaf_blocks_match(self, world_size: int) -> None:

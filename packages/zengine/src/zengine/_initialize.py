@@ -7,6 +7,7 @@ scaler, and returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -189,9 +190,11 @@ def _stage3(
     for b in model.buffers():
         b.data = b.data.to(device)
     shard_device = _offload_params(model, cfg, device)
-    handle = zpartition.partition(
-        model, config=cfg.zero_param_config(), group=group, shard_device=shard_device
-    )
+    # DeepSpeed's contiguous gradient buffer: kept where the caching allocator keeps the
+    # memory anyway; on CPU a freed bucket goes back to the system ([Note: returning memory])
+    keep = cfg.zero_optimization.contiguous_gradients and device.type == "cuda"
+    knobs = dataclasses.replace(cfg.zero_param_config(), persistent_grad_buckets=keep)
+    handle = zpartition.partition(model, config=knobs, group=group, shard_device=shard_device)
     grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]
     layout = ShardedLayout(
         groups, group=group, device=device, grad_dtype=grad_dtype, **_offload_masters(cfg)

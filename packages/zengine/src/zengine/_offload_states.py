@@ -44,7 +44,11 @@ def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.T
         found["grads"] = parts.grad_partitions_flat_buffer
         for i, tensor in enumerate(getattr(optimizer.layout, "grad_flats", [])):
             found[f"grads.full.{i}"] = tensor
-    # contiguous_grad_buffer: gradient buckets live only while they are reduced; none is held
+    elif state is OffloadStateTypeEnum.contiguous_grad_buffer and engine.partitioned is not None:
+        # kept between passes on accelerators only (persistent_grad_buckets); on CPU the
+        # buckets live while they are reduced, and none is held
+        for i, tensor in enumerate(engine.partitioned.grad_buffers):
+            found[f"bucket.{i}"] = tensor
     return {k: v for k, v in found.items() if v.numel() > 0}
 
 
@@ -111,7 +115,10 @@ class StateOffloader:
                 continue
             self.handles[state] = zoffload.offload(
                 tensors,
-                device,
+                # the gradient bucket is scratch space: freed, not copied (as DeepSpeed does)
+                OffloadDeviceEnum.none
+                if state is OffloadStateTypeEnum.contiguous_grad_buffer
+                else device,
                 pin_memory=pin_memory,
                 non_blocking=non_blocking,
                 nvme_path=nvme_path,

@@ -33,6 +33,10 @@ class ZeroParamConfig:
     """Leave each bucket's reduce-scatter in flight while backward goes on (done at its end)."""
     module_granularity_threshold: int = 0
     """Modules whose parameters per layer are at most this become leaves (0: none)."""
+    persistent_grad_buckets: bool = False
+    """Keep each dtype's gradient bucket between backward passes (DeepSpeed's contiguous
+    gradient buffer) instead of allocating it per pass: worth it on accelerators, whose caching
+    allocator keeps the memory anyway; on CPU the freed bucket goes back to the system."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

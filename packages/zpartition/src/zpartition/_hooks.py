@@ -100,6 +100,8 @@ class State:
         self.late_gradients = False  # gradients taken at the end of backward (see install)
         self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
         self.reducing: list[Callable[[], None]] = []  # reduce-scatters in flight, to finish
+        self.grad_buffers: dict[torch.dtype, torch.Tensor] = {}  # persistent_grad_buckets
+        self.buffers_busy: set[torch.dtype] = set()  # read by a reduce-scatter in flight
 
     # -- registration ----------------------------------------------------------------------
 
@@ -278,9 +280,26 @@ class State:
             bucket = None
         if bucket is None:
             width = max(self.bucket_columns.get(group.dtype, 0), group.width)
-            bucket = GradBucket(group.dtype, width, self.channel, self.root_device)
+            rows = self._kept_rows(group.dtype, width)
+            bucket = GradBucket(group.dtype, width, self.channel, self.root_device, rows)
             self.buckets[group.dtype] = bucket
         return bucket
+
+    def _kept_rows(self, dtype: torch.dtype, width: int) -> torch.Tensor | None:
+        """The persistent bucket of `dtype` (None without persistent_grad_buckets). One per
+        dtype: a bucket still being reduce-scattered from it is finished first."""
+        if not self.coordinator.config.persistent_grad_buckets:
+            return None
+        if dtype in self.buffers_busy:
+            self._finish_reductions()
+        rows = self.grad_buffers.get(dtype)
+        if rows is None or rows.shape[1] < width:
+            rows = torch.empty(self.channel.size, width, dtype=dtype, device=self.root_device)
+            self.grad_buffers[dtype] = rows
+        elif rows.untyped_storage().nbytes() == 0:  # freed by offload_states, not reloaded
+            rows.untyped_storage().resize_(rows.numel() * rows.element_size())
+        self.buffers_busy.add(dtype)
+        return rows[:, :width]
 
     def _flush(self, dtype: torch.dtype | None = None) -> None:
         """Reduce-scatter the bucket of `dtype` (all buckets by default)."""
@@ -294,6 +313,7 @@ class State:
         reducing, self.reducing = self.reducing, []
         for finish in reducing:
             finish()
+        self.buffers_busy.clear()
 
     def _start_backward(self) -> None:
         self.in_backward = True

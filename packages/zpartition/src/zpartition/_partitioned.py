@@ -132,6 +132,12 @@ class Partitioned:
         """Hand reduced shard gradients to `sink` from now on (None: ``ds_tensor.grad``)."""
         self._state.sink = sink
 
+    @property
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The gradient buckets kept between passes (``persistent_grad_buckets``), one per
+        dtype; empty until the first backward, and without that option."""
+        return list(self._state.grad_buffers.values())
+
     def set_shard_store(self, store: ShardStore | None) -> None:
         """Keep the shards of released units in `store` (see `ShardStore`); the persistent
         unit's stay in memory. Released units' shards go there now."""

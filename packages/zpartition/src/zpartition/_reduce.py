@@ -53,10 +53,20 @@ class GradBucket:
     """
 
     def __init__(
-        self, dtype: torch.dtype, capacity: int, channel: Channel, device: torch.device
+        self,
+        dtype: torch.dtype,
+        capacity: int,
+        channel: Channel,
+        device: torch.device,
+        rows: torch.Tensor | None = None,
     ) -> None:
         self.channel = channel
-        self.rows = torch.empty(channel.size, capacity, dtype=dtype, device=device)
+        # `rows`: a buffer kept across passes (persistent_grad_buckets), else a new one
+        self.rows = (
+            torch.empty(channel.size, capacity, dtype=dtype, device=device)
+            if rows is None
+            else rows
+        )
         self.used = 0  # columns filled
         self.entries: list[tuple[Unit, _GradGroup, int]] = []  # (unit, group, first column)
 
