@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,14 +28,14 @@ def _rss() -> int:
     return 0
 
 
-def _engine(stage: int) -> tuple[zengine.Engine, nn.Module]:
+def _engine(stage: int, **zero: Any) -> tuple[zengine.Engine, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "steps_per_print": 10**6,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
     }
     engine, *_ = zengine.initialize(model=model, config=config)
     return engine, model
@@ -103,3 +104,25 @@ class TestOffloadStates(DistributedTest):
             engine.offload_states(device="nvme")
         with pytest.raises(ValueError, match="bogus"):
             engine.offload_states(include=["bogus"])
+
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_contiguous_grad_buffer_is_freed_and_given_back(self, world_size: int) -> None:
+        """DeepSpeed's contiguous gradient buffer (kept on CPU when the config names
+        contiguous_gradients; always on CUDA): offload frees it without copying, reload gives
+        the memory back, training goes on as before."""
+        state = OffloadStateTypeEnum.contiguous_grad_buffer
+        reference, _ = _engine(3)
+        expected = _steps(reference, 3, torch.Generator().manual_seed(5 + zcomm.get_rank()))
+        assert zengine.get_state_devices(reference, state) == set()  # not kept by default on CPU
+        engine, _ = _engine(3, contiguous_gradients=True)
+        data = torch.Generator().manual_seed(5 + zcomm.get_rank())
+        first = _steps(engine, 1, data)
+        assert zengine.get_state_devices(engine, state) == {torch.device("cpu")}
+        (buffer,) = zengine._offload_states.state_tensors(engine, state).values()
+        engine.offload_states(include=[state], device="cpu")
+        assert zengine.get_state_devices(engine, state) == set()
+        assert buffer.untyped_storage().nbytes() == 0
+        engine.reload_states()
+        assert zengine.get_state_devices(engine, state) == {torch.device("cpu")}
+        assert buffer.untyped_storage().nbytes() > 0
+        assert first + _steps(engine, 2, data) == expected

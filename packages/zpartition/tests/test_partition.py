@@ -67,7 +67,7 @@ class TestParity(DistributedTest):
         for n, value in _full(model).items():
             torch.testing.assert_close(value, reference.get_parameter(n), rtol=1e-5, atol=1e-6)
 
-    @pytest.mark.parametrize("world_size", [2])
+    @pytest.mark.parametrize("world_size", [1, 2])
     def test_kept_bucket_is_one_buffer_across_passes(self, world_size: int) -> None:
         torch.manual_seed(0)
         model = TinyGPT()

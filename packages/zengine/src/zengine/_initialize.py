@@ -191,8 +191,11 @@ def _stage3(
         b.data = b.data.to(device)
     shard_device = _offload_params(model, cfg, device)
     # DeepSpeed's contiguous gradient buffer: kept where the caching allocator keeps the
-    # memory anyway; on CPU a freed bucket goes back to the system ([Note: returning memory])
-    keep = cfg.zero_optimization.contiguous_gradients and device.type == "cuda"
+    # memory anyway; on CPU, where a freed bucket goes back to the system ([Note: returning
+    # memory on CPU]), only when the config names contiguous_gradients itself
+    zero = cfg.zero_optimization
+    asked = "contiguous_gradients" in zero.model_fields_set
+    keep = zero.contiguous_gradients and (device.type == "cuda" or asked)
     knobs = dataclasses.replace(cfg.zero_param_config(), persistent_grad_buckets=keep)
     handle = zpartition.partition(model, config=knobs, group=group, shard_device=shard_device)
     grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]

@@ -100,6 +100,7 @@ class State:
         self.late_gradients = False  # gradients taken at the end of backward (see install)
         self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
         self.reducing: list[Callable[[], None]] = []  # reduce-scatters in flight, to finish
+        self.kept_buckets = False  # persistent_grad_buckets (set at install)
         self.grad_buffers: dict[torch.dtype, torch.Tensor] = {}  # persistent_grad_buckets
         self.buffers_busy: set[torch.dtype] = set()  # read by a reduce-scatter in flight
 
@@ -111,8 +112,13 @@ class State:
         # One rank, and the live limit never binds: nothing is freed or moved during backward,
         # so gradients are taken at its end and the per-parameter hooks are not needed.
         total = sum(u.numel for u in self.coordinator.units.values())
-        self.late_gradients = all(u.direct for u in self.units) and (
-            total <= self.coordinator.config.max_live_parameters
+        # A kept bucket (persistent_grad_buckets) is used with one rank too: DeepSpeed's
+        # contiguous gradient buffer exists whatever the world size, and offload frees it.
+        self.kept_buckets = self.coordinator.config.persistent_grad_buckets
+        self.late_gradients = (
+            all(u.direct for u in self.units)
+            and total <= self.coordinator.config.max_live_parameters
+            and not self.kept_buckets
         )
         # A bucket holds reduce_bucket_size elements, or every gradient if fewer: its columns
         # are one rank's share of that.
@@ -264,7 +270,7 @@ class State:
     def _gradients_done(self, unit: Unit) -> None:
         """`unit`'s backward is over: queue its gradients for reduction, release it."""
         unit.ready = 0
-        if unit.direct:
+        if unit.direct and not self.kept_buckets:
             keep_local(unit, self.sink)
         else:
             for group in unit.grad_groups:
