@@ -48,8 +48,10 @@ def _worker(mode: str, folder: str) -> None:
     torch.manual_seed(0)
     model = GPT(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, heads=HEADS, blocks=BLOCKS)
     zero: dict[str, Any] = {"stage": 3}
-    if mode == "nvme":
+    if mode in ("optimizer", "infinity"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder}
+    if mode == "infinity":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": folder}
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "steps_per_print": 10**6,
@@ -72,6 +74,8 @@ def _worker(mode: str, folder: str) -> None:
     swapper = engine.optimizer.swapper
     if swapper is not None and swapper._handle is not None:
         swapper._handle.wait()  # the write of the last step is done: its memory is free
+    assert engine.partitioned is not None
+    units = engine.partitioned.units
     state = [*engine.optimizer.stepped_tensors()]
     state += [v for t in state for v in engine.optimizer.state[t].values() if v.dim() > 0]
     print(
@@ -81,6 +85,7 @@ def _worker(mode: str, folder: str) -> None:
                 "step_ms": 1000 * statistics.median(times),
                 "rss": _rss_mib(),
                 "held": sum(_storages(state).values()) / (1 << 20),
+                "shards": sum(_storages([u.shard for u in units]).values()) / (1 << 20),
                 "state": sum(t.numel() * t.element_size() for t in state) / (1 << 20),
                 "losses": losses,
             }
@@ -102,41 +107,53 @@ def _run(mode: str, folder: str) -> dict[str, Any]:
     return result
 
 
+MODES = {
+    "none": "no offload",
+    "optimizer": "offload_optimizer nvme",
+    "infinity": "offload_optimizer + offload_param nvme",
+}
+
+
 def main() -> None:
     root = os.environ.get("ZOFFLOAD_BENCH_DIR")
     folder = tempfile.mkdtemp(prefix="zengine-offload-bench-", dir=root)
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
-        runs: dict[str, list[dict[str, Any]]] = {"none": [], "nvme": []}
         for r in range(ROUNDS):
-            for mode in ("none", "nvme") if r % 2 == 0 else ("nvme", "none"):
+            order = list(MODES)[r % len(MODES) :] + list(MODES)[: r % len(MODES)]
+            for mode in order:
                 runs[mode].append(_run(mode, folder))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    ratio = statistics.median(
-        n["step_ms"] / p["step_ms"] for n, p in zip(runs["nvme"], runs["none"], strict=True)
-    )
-    diff = max(
-        abs(a - b) / abs(b)
-        for n, p in zip(runs["nvme"], runs["none"], strict=True)
-        for a, b in zip(n["losses"], p["losses"], strict=True)
-    )
     print(
         f"### ZeRO-Infinity on CPU: GPT hidden {HIDDEN}, {BLOCKS} blocks, world size 1, "
-        f"stage 3, Adam; medians of {ROUNDS} fresh processes x {STEPS} steps\n"
+        f"stage 3, Adam; medians of {ROUNDS} fresh processes x {STEPS} steps, in rotating "
+        "order; MiB held in memory between steps, of the full size\n"
     )
     print(
         "| run | ms per step | step / no offload | RSS after the run, MiB | "
-        "masters + Adam state held in memory, MiB (of) | loss, max relative difference |"
+        "masters + Adam state held | parameter shards held | loss, max relative difference |"
     )
-    print("|---|---:|---:|---:|---:|---|")
-    for mode, label in (("none", "no offload"), ("nvme", "offload_optimizer nvme")):
+    print("|---|---:|---:|---:|---:|---:|---|")
+    base = runs["none"]
+    for mode, label in MODES.items():
         rs = runs[mode]
+        ratio = statistics.median(
+            r["step_ms"] / b["step_ms"] for r, b in zip(rs, base, strict=True)
+        )
+        diff = max(
+            abs(x - y) / abs(y)
+            for r, b in zip(rs, base, strict=True)
+            for x, y in zip(r["losses"], b["losses"], strict=True)
+        )
+
+        def med(key: str, rs: list[dict[str, Any]] = rs) -> float:
+            return float(statistics.median(r[key] for r in rs))
+
         print(
-            f"| {label} | {statistics.median(r['step_ms'] for r in rs):.1f} | "
-            f"{1.0 if mode == 'none' else ratio:.3f} | "
-            f"{statistics.median(r['rss'] for r in rs):.0f} | "
-            f"{statistics.median(r['held'] for r in rs):.1f} "
-            f"({statistics.median(r['state'] for r in rs):.1f}) | "
+            f"| {label} | {med('step_ms'):.1f} | {ratio:.3f} | {med('rss'):.0f} | "
+            f"{med('held'):.1f} of {med('state'):.1f} | "
+            f"{med('shards'):.1f} of {statistics.median(b['shards'] for b in base):.1f} | "
             f"{'reference' if mode == 'none' else f'{diff:.1e}'} |"
         )
 
