@@ -26,7 +26,6 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import increment_version
 
 import zcomm
 import zpartition
@@ -226,9 +225,6 @@ class ShardedLayout:
     def write_back(self) -> None:
         if not self.aliased:
             self._copy(self._shards, self._masters)  # type: ignore[arg-type]
-        # zpartition gathers a persistent unit again when its shards' version counter moved;
-        # torch's fused optimizers write in place without moving it: say it moved
-        increment_version(self._shards)
         if self.partitioned is not None:
             self.partitioned.evict_shards()
 

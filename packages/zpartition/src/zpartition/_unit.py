@@ -25,6 +25,7 @@ import zcomm
 from zpartition._channel import Channel, Kind
 from zpartition._param import ZeroParameter
 from zpartition._status import ZeroParamStatus
+from zpartition._stepped import watch
 from zpartition._store import ShardStore
 
 __all__ = ["Unit", "issue_gathers"]
@@ -167,6 +168,7 @@ class Unit:
             view = self.shard[off : off + c * p.element_size()].view(p.dtype)
             view.copy_(p.ds_tensor)
             p.ds_tensor = view
+            watch(view)  # a fused optimizer's step must count as a change (_stepped.py)
 
     def _build_full(self) -> None:
         """The full buffer and each parameter's full view of it (the shard itself when direct)."""
