@@ -36,7 +36,8 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     for group in optimizer.param_groups:
         for p in group["params"]:
             ref = _shards.get(id(p))
-            if ref is not None and ref() is p:
-                stepped.append(p)
+            shard = ref() if ref is not None else None
+            if shard is not None and shard is p:
+                stepped.append(shard)
     if stepped:
         increment_version(stepped)
