@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, Store
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
 from zcomm._accelerator import get_accelerator
 
@@ -160,8 +160,30 @@ def init_distributed(
         env = (rank, world_size) if env is not None else None
     if env is None:
         _start(chosen, wait, 0, 1, store=HashStore())  # the embedded world of one
+    elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        _start(chosen, wait, env[0], env[1], store=_elastic_store(env[0], env[1], wait))
     else:
         _start(chosen, wait, env[0], env[1], init_method="env://")
+
+
+def _elastic_store(rank: int, world_size: int, timeout: timedelta) -> Store:
+    """torchrun's store, with the keys of this attempt apart from a failed one's.
+
+    Under ``torchrun --max-restarts`` the agent keeps one store for every attempt, and torch's
+    env:// rendezvous does not separate the attempts' keys: a restarted rank may read the
+    address a dead rank left there and fail to connect (seen about one restart in three with
+    torch 2.13). A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps them apart.
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        _env_int("MASTER_PORT"),
+        world_size,
+        is_master=not agent and rank == 0,  # the agent hosts it, or else rank 0 does
+        timeout=timeout,
+    )
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return PrefixStore(f"zcomm/attempt{attempt}", store)
 
 
 def _start(
