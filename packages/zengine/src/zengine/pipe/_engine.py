@@ -1,0 +1,245 @@
+"""`PipelineEngine`: DeepSpeed's ``train_batch`` and ``eval_batch``, running zpipe schedules.
+
+Each rank runs its stage's instructions of the schedule the config names (1F1B by default),
+checked first against the other stages' (_agreement.py) and, on gloo, with each send moved up
+to right after its computation (_eager.py); activations and gradients travel between stages as
+in _link.py, the data-parallel ranks of a stage reduce its gradients (ZeRO 0 or 1) and every
+stage steps its own parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zcomm
+import zpipe
+from zengine._engine import Engine
+from zengine.pipe._agreement import check_agreement
+from zengine.pipe._eager import EagerSends
+from zengine.pipe._errors import PipelineError
+from zengine.pipe._link import Link
+from zengine.pipe._module import PipelineModule
+from zengine.pipe._optimizer import PipeZeroOptimizer
+from zengine.pipe._run import BatchRun
+
+__all__ = ["SCHEDULES", "ForwardOnly", "PipelineEngine"]
+
+#: The config's ``pipeline.schedule`` names.
+SCHEDULES: dict[str, type[zpipe.PipeSchedule]] = {
+    "1f1b": zpipe.TrainSchedule,
+    "gpipe": zpipe.GPipeSchedule,
+    "interleaved": zpipe.Interleaved1F1BSchedule,
+    "zero_bubble": zpipe.ZeroBubbleH1Schedule,
+}
+_FORWARD = (zpipe.LoadMicroBatch, zpipe.ForwardPass, zpipe.SendActivation, zpipe.RecvActivation)
+
+
+class ForwardOnly(zpipe.PipeSchedule):
+    """The forward instructions of a training schedule: how a model in several chunks per
+    stage is evaluated (InferenceSchedule has one chunk). Dropping the backward half keeps
+    the messages of the forward in the same order on both ends, so it cannot deadlock."""
+
+    def __init__(self, base: zpipe.PipeSchedule) -> None:
+        super().__init__(base.micro_batches, base.stages, base.stage_id)
+        self.base = base
+        self.chunks = base.chunks
+
+    def steps(self) -> Iterator[list[zpipe.PipeInstruction]]:
+        for step in self.base:
+            kept: list[zpipe.PipeInstruction] = [c for c in step if isinstance(c, _FORWARD)]
+            if kept:
+                yield kept
+
+    def virtual_stage(self, chunk_id: int) -> int:
+        return self.base.virtual_stage(chunk_id)
+
+    def owner(self, virtual_stage: int) -> tuple[int, int]:
+        return self.base.owner(virtual_stage)
+
+
+def _repeat(loader: Iterable[Any]) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+class PipelineEngine(Engine):
+    """What `zengine.initialize` returns for a `PipelineModule`: ``train_batch(data_iter)``
+    runs one batch (``gradient_accumulation_steps`` micro-batches) and steps; ``eval_batch``
+    runs the forward only. ``engine(x)``, ``backward`` and ``step`` are not available, as in
+    DeepSpeed. `train_schedule_cls` may be set to any zpipe schedule class."""
+
+    module: PipelineModule
+    optimizer: PipeZeroOptimizer
+
+    def __init__(
+        self,
+        module: PipelineModule,
+        optimizer: PipeZeroOptimizer,
+        lr_scheduler: Any,
+        *,
+        config: Any,
+        device: torch.device,
+    ) -> None:
+        super().__init__(
+            module, optimizer, lr_scheduler, config=config, device=device, partitioned=None
+        )
+        self.grid = module.mpu()
+        self.stage_id = module.stage_id
+        self.num_stages = module.num_stages
+        self.chunks = module.chunks
+        self.micro_batches = self.gradient_accumulation_steps()
+        self.train_schedule_cls: type[zpipe.PipeSchedule] = SCHEDULES[config.pipeline.schedule]
+        self.link = Link(
+            self.stage_id,
+            self.num_stages,
+            self.grid.stage_to_global,
+            config.pipeline.p2p_timeout,
+            device,
+        )
+        self.eval_computes_loss = True  # read by the last stage's ForwardPass in eval_batch
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        # the schedules built (and checked against the other stages), by class and eagerness
+        self._schedules: dict[tuple[type[zpipe.PipeSchedule], bool], zpipe.PipeSchedule] = {}
+        #: send each activation and input gradient as soon as it is computed (see _eager.py);
+        #: on by default where sends are buffered (gloo). On NCCL a send waits for its receive
+        #: in the stream's order, and only the schedule's own order is proved deadlock-free.
+        self.eager_sends = dist.get_backend(self.grid.get_pipe_parallel_group()) == "gloo"
+        #: the loader of `initialize(training_data=...)`: what train_batch() reads by default
+        self.training_dataloader: Iterable[Any] | None = None
+        self._data_iterator: Iterator[Any] | None = None
+        #: set to a dict to record each computation's seconds by kind: "F" (forward), "B"
+        #: (backward), "I" and "W" (the halves of a split backward); None records nothing
+        self.compute_times: dict[str, list[float]] | None = None
+
+    # -- DeepSpeed's pipeline accessors --------------------------------------------------------
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters a chunk's backward may reach (this stage's trainable ones)."""
+        return self._params
+
+    def loss_factor(self) -> float:
+        """What the last stage multiplies each micro-batch's loss by before its backward:
+        the mean over micro-batches, times the fp16 loss scale."""
+        return self.optimizer.cur_scale / self.micro_batches
+
+    def optimizer_step(self) -> None:
+        """``OptimizerStep``: step, and the LR schedule unless an overflow skipped the step."""
+        with self.progress.timed("step"):
+            stepped = self.optimizer.step()
+            if stepped and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+
+    # -- the batches ---------------------------------------------------------------------------
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Train on one batch from `data_iter` (``(inputs, labels)`` micro-batches, read on
+        the first and the last stage; by default the loader of ``initialize(training_data=)``,
+        restarted when it ends) and step; returns the mean loss, on every rank."""
+        if not torch.is_grad_enabled():
+            raise PipelineError("train_batch() needs gradients: it was called under no_grad")
+        if data_iter is None and self.training_dataloader is not None:
+            if self._data_iterator is None:
+                self._data_iterator = _repeat(self.training_dataloader)
+            data_iter = self._data_iterator
+        self.module.train()
+        self.optimizer.layout.before_backward()
+        run = BatchRun(self, self._schedule(self.train_schedule_cls), data_iter, train=True)
+        run.execute()
+        loss = self._batch_loss(run.losses)
+        self.micro_steps += self.micro_batches
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.progress.record_loss(loss)
+        self.progress.after_step()
+        return loss
+
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None = None,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+    ) -> Any:
+        """Run the forward of one batch; returns the mean loss on every rank (and, with
+        `return_logits`, the last stage's outputs per micro-batch; None on other stages).
+        Without `compute_loss`, the outputs alone."""
+        was_training = self.module.training
+        self.module.eval()
+        self.eval_computes_loss = compute_loss
+        if self.chunks == 1:
+            schedule = self._schedule(zpipe.InferenceSchedule)
+        else:
+            schedule = ForwardOnly(self._schedule(self.train_schedule_cls))
+        try:
+            run = BatchRun(self, schedule, data_iter, train=False)
+            run.execute()
+        finally:
+            self.module.train(was_training)
+        outputs = [run.outputs[k] for k in sorted(run.outputs)] if self.is_last_stage() else None
+        if not compute_loss:
+            return outputs
+        loss = self._batch_loss(run.losses)
+        return (loss, outputs) if return_logits else loss
+
+    def _make(self, cls: type[zpipe.PipeSchedule], stage: int) -> zpipe.PipeSchedule:
+        kwargs = {"chunks": self.chunks} if self.chunks > 1 else {}
+        return cls(
+            micro_batches=self.micro_batches, stages=self.num_stages, stage_id=stage, **kwargs
+        )
+
+    def _schedule(self, cls: type[zpipe.PipeSchedule]) -> zpipe.PipeSchedule:
+        """This stage's schedule of `cls`, checked against the other stages' the first time,
+        with its sends moved up where they never block (`eager_sends`)."""
+        key = (cls, self.eager_sends)
+        if key in self._schedules:
+            return self._schedules[key]
+        schedule = self._make(cls, self.stage_id)
+        if schedule.chunks != self.chunks:
+            raise PipelineError(
+                f"{cls.__name__} runs {schedule.chunks} chunk(s) per stage, but the "
+                f"PipelineModule has chunks={self.chunks}",
+                stage=self.stage_id,
+            )
+        group = self.grid.get_pipe_parallel_group()
+        check_agreement(schedule, self._make, group=group, device=self.device)
+        if self.eager_sends:
+            kwargs = {"chunks": self.chunks} if self.chunks > 1 else {}
+            schedule = EagerSends(
+                self.micro_batches, self.num_stages, self.stage_id, base=cls, **kwargs
+            )
+        self._schedules[key] = schedule
+        return schedule
+
+    def _batch_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The mean loss of the batch over micro-batches and data-parallel ranks, sent from
+        the last stage to all others (every rank returns it)."""
+        value = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage() and losses:
+            value = torch.stack([losses[k].float() for k in sorted(losses)]).mean()
+            zcomm.all_reduce(
+                value, op=zcomm.ReduceOp.AVG, group=self.grid.get_data_parallel_group()
+            )
+        last = self.grid.stage_to_global(self.num_stages - 1)
+        zcomm.broadcast(value, last, group=self.grid.get_pipe_parallel_group())
+        return value
+
+    # -- what a pipeline engine does not do ----------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")

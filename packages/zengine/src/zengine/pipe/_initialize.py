@@ -1,0 +1,103 @@
+"""`initialize_pipeline`: what `zengine.initialize` does when the model is a PipelineModule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import zcomm
+from zengine._config import ConfigError, EngineConfig, load_config
+from zengine._initialize import (
+    _loader,
+    _loss_scaler,
+    _optimizer_factory,
+    _param_groups,
+    _prepare_dense,
+    _scheduler,
+)
+from zengine._layouts import FlatLayout
+from zengine.pipe._engine import PipelineEngine
+from zengine.pipe._module import PipelineModule
+from zengine.pipe._optimizer import PipeZeroOptimizer
+
+__all__ = ["initialize_pipeline"]
+
+
+def _check(cfg: EngineConfig, model: PipelineModule) -> None:
+    """The config against the module: stages, chunks, schedule and ZeRO stage."""
+    pipe, problems = cfg.pipeline, []
+    if pipe.stages != "auto" and pipe.stages != model.num_stages:
+        problems.append(
+            f"pipeline.stages: {pipe.stages}, but the PipelineModule has {model.num_stages} stages"
+        )
+    if pipe.chunks is not None and pipe.chunks != model.chunks:
+        problems.append(
+            f"pipeline.chunks: {pipe.chunks}, but the PipelineModule has chunks={model.chunks}"
+        )
+    if pipe.schedule == "interleaved" and model.chunks < 2:
+        problems.append(
+            "pipeline.schedule: 'interleaved' needs a PipelineModule built with chunks >= 2"
+        )
+    if pipe.schedule != "interleaved" and model.chunks > 1:
+        problems.append(
+            f"pipeline.schedule: {pipe.schedule!r} runs one chunk per stage, but the "
+            f"PipelineModule has chunks={model.chunks}; use 'interleaved'"
+        )
+    if cfg.zero_stage > 1:
+        problems.append(
+            f"zero_optimization.stage: {cfg.zero_stage} with a PipelineModule; pipeline "
+            "parallelism supports ZeRO stages 0 and 1 (stages 2 and 3 would reduce gradients "
+            "or gather parameters for every micro-batch)"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def initialize_pipeline(
+    model: PipelineModule,
+    *,
+    optimizer: Any,
+    model_parameters: Iterable[Any] | None,
+    training_data: Dataset[Any] | None,
+    lr_scheduler: Any,
+    collate_fn: Callable[..., Any] | None,
+    config: Any,
+) -> tuple[PipelineEngine, PipeZeroOptimizer, DataLoader[Any] | None, Any]:
+    """Build the pipeline engine: the stage's model on the device, tied weights equal,
+    replicas equal, and the ZeRO optimizer over the data-parallel group of the stage."""
+    grid = model.mpu()
+    dp_group = grid.get_data_parallel_group()
+    cfg = load_config(config, world_size=grid.get_data_parallel_world_size())
+    _check(cfg, model)
+    if cfg.pipeline.activation_checkpoint_interval > 0:
+        model.activation_checkpoint_interval = cfg.pipeline.activation_checkpoint_interval
+    device = torch.device(zcomm.get_accelerator().current_device_name())
+    groups, options = _param_groups(model, optimizer, model_parameters)
+    make_optimizer = _optimizer_factory(optimizer, cfg)
+    _prepare_dense(model, cfg, dp_group, device)
+    model.sync_tied_weights()
+    layout = FlatLayout(groups, stage=cfg.zero_stage, group=dp_group, device=device)
+    zero = PipeZeroOptimizer(
+        make_optimizer,
+        options,
+        layout,
+        stage=cfg.zero_stage,
+        group=dp_group,
+        loss_scaler=_loss_scaler(cfg),
+        clip=float(cfg.gradient_clipping),
+        pipe_group=grid.get_pipe_parallel_group(),
+        copies=model.tied_copies(),
+    )
+    for g in groups:
+        for p in g:
+            p.__dict__["_zengine_optimizer"] = zero  # how the safe_get_* functions find it
+    scheduler = _scheduler(lr_scheduler, zero, cfg)
+    engine = PipelineEngine(model, zero, scheduler, config=cfg, device=device)
+    loader = (
+        _loader(training_data, cfg, dp_group, collate_fn) if training_data is not None else None
+    )
+    engine.training_dataloader = loader
+    return engine, zero, loader, scheduler

@@ -1,0 +1,245 @@
+"""`PipelineModule`: a model given as a list of layers, of which each stage builds only its own.
+
+The layers are split into ``num_stages * chunks`` contiguous parts (see _partition.py); part
+``chunk * num_stages + stage`` is chunk `chunk` of stage `stage` (its *virtual stage*), so with
+one chunk part `s` is stage `s`, and with several the model wraps around the stages as
+interleaved schedules expect. A `TiedLayerSpec` key is built once per stage that uses it, and
+kept equal across those stages by the engine (see `tied_*` below).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zcomm
+from zcomm.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
+from zengine.pipe._partition import layer_name, partition_layers
+from zengine.pipe._specs import LayerSpec, TiedLayerSpec
+
+__all__ = ["PipelineModule"]
+
+Layer = Callable[[Any], Any]
+
+
+def _non_reentrant(function: Callable[..., Any], *args: Any) -> Any:
+    return checkpoint(function, *args, use_reentrant=False)
+
+
+def _topology(num_stages: int | None, topology: ProcessTopology | None) -> ProcessTopology:
+    world = zcomm.get_world_size()
+    if topology is not None:
+        pipe = topology.get_dim("pipe")
+        if num_stages is not None and pipe != num_stages:
+            raise ValueError(
+                f"PipelineModule: num_stages={num_stages}, but the topology's pipe axis has {pipe}"
+            )
+        return topology
+    if num_stages is None:
+        raise ValueError("PipelineModule: give num_stages or topology")
+    if num_stages < 1 or world % num_stages:
+        raise ValueError(
+            f"PipelineModule(num_stages={num_stages}): the world of {world} ranks does not "
+            "split into that many stages"
+        )
+    return PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+
+
+class PipelineModule(nn.Module):
+    """DeepSpeed's ``PipelineModule``: `layers` (modules, callables, `LayerSpec`s) run in
+    order, split over `num_stages` stages (or the `topology`'s pipe axis).
+
+    Args:
+        loss_fn: ``loss_fn(outputs, labels)`` on the last stage; without it the last layer's
+            output is the loss.
+        seed_layers: seed the RNG with ``base_seed + index`` before building each layer, so
+            a layer starts the same whichever stage builds it (`seed_fn` sets the seed).
+        partition_method: ``parameters``, ``uniform``, ``type:REGEX``, or the boundaries as a
+            list of ``num_stages * chunks + 1`` layer indices.
+        activation_checkpoint_interval: recompute activations every this many layers in the
+            backward (0: keep them); `activation_checkpoint_func` (non-reentrant torch
+            checkpoint by default) and `checkpointable_layers` (class names) as DeepSpeed's.
+        chunks: model chunks per stage, for interleaved schedules.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        num_stages: int | None = None,
+        topology: ProcessTopology | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable[[int], Any] | None = None,
+        base_seed: int = 1234,
+        partition_method: str | Sequence[int] = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable[..., Any] | None = None,
+        checkpointable_layers: Sequence[str] | None = None,
+        *,
+        chunks: int = 1,
+    ) -> None:
+        super().__init__()
+        layers = list(layers)  # an nn.Sequential or nn.ModuleList too
+        if not layers:
+            raise ValueError("PipelineModule: layers is empty")
+        if chunks < 1:
+            raise ValueError(f"PipelineModule(chunks={chunks}): must be at least 1")
+        zcomm.init_distributed()
+        self._topo = _topology(num_stages, topology)
+        self._grid = PipelineParallelGrid(topology=self._topo)
+        self.num_stages = self._grid.pipe_parallel_size
+        self.stage_id = self._grid.get_stage_id()
+        self.chunks = chunks
+        self.loss_fn = loss_fn
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func or _non_reentrant
+        self.checkpointable_layers = checkpointable_layers
+        self._layer_specs = list(layers)
+        self.parts = partition_layers(self._layer_specs, self.num_stages * chunks, partition_method)
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        #: per chunk of this stage, (global layer index, the callable) in order
+        self.chunk_layers: list[list[tuple[int, Layer]]] = []
+        seed = seed_fn or torch.manual_seed
+        for chunk in range(chunks):
+            lo, hi = self._bounds(chunk)
+            built = []
+            for index in range(lo, hi):
+                if seed_layers:
+                    seed(base_seed + index)
+                built.append((index, self._build(index, self._layer_specs[index])))
+            self.chunk_layers.append(built)
+        self._tied_groups = self._make_tied_groups()
+
+    # -- the layout ----------------------------------------------------------------------------
+
+    def _bounds(self, chunk: int) -> tuple[int, int]:
+        part = chunk * self.num_stages + self.stage_id
+        return self.parts[part], self.parts[part + 1]
+
+    def virtual_stage(self, chunk: int) -> int:
+        """The part of the model chunk `chunk` of this stage runs."""
+        return chunk * self.num_stages + self.stage_id
+
+    def _build(self, index: int, layer: Any) -> Layer:
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key not in self.tied_modules:
+                self.tied_modules[layer.key] = layer.build()
+                self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+            module = self.tied_modules[layer.key]
+            if layer.forward_fn is None:
+                return module
+            forward_fn = layer.forward_fn
+            return lambda x: forward_fn(module, x)
+        if isinstance(layer, LayerSpec):
+            layer = layer.build()
+        if isinstance(layer, nn.Module):
+            self.add_module(str(index), layer)
+            return layer
+        if callable(layer):
+            return layer  # type: ignore[no-any-return]
+        raise TypeError(
+            f"PipelineModule: layer {index} is a {type(layer).__name__}; expected an "
+            "nn.Module, a LayerSpec or a callable"
+        )
+
+    def topology(self) -> ProcessTopology:
+        """The pipe x data topology the stages run on."""
+        return self._topo
+
+    def mpu(self) -> PipelineParallelGrid:
+        """The grid: this rank's stage, its data-parallel group and its pipeline."""
+        return self._grid
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def forward(self, forward_input: Any, chunk: int = 0) -> Any:
+        """Run this stage's layers of `chunk` on `forward_input`."""
+        layers = self.chunk_layers[chunk]
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or not self.training:
+            return self._run(layers, forward_input)
+        x = forward_input
+        for start in range(0, len(layers), interval):
+            segment = layers[start : start + interval]
+            if self._is_checkpointable(segment):
+                x = self.activation_checkpoint_func(self._runner(segment), x)
+            else:
+                x = self._run(segment, x)
+        return x
+
+    @staticmethod
+    def _run(layers: Sequence[tuple[int, Layer]], x: Any) -> Any:
+        for _, layer in layers:
+            x = layer(x)
+        return x
+
+    def _runner(self, layers: Sequence[tuple[int, Layer]]) -> Callable[[Any], Any]:
+        return lambda x: self._run(layers, x)
+
+    def _is_checkpointable(self, layers: Sequence[tuple[int, Layer]]) -> bool:
+        if self.checkpointable_layers is not None:
+            return all(layer_name(f) in self.checkpointable_layers for _, f in layers)
+        return any(
+            isinstance(f, nn.Module) and any(True for _ in f.parameters()) for _, f in layers
+        )
+
+    # -- tied weights --------------------------------------------------------------------------
+
+    def _tied_stages(self) -> dict[str, list[int]]:
+        """For every tied key in the model, the stages that hold it."""
+        stages: dict[str, set[int]] = {}
+        for part in range(len(self.parts) - 1):
+            for index in range(self.parts[part], self.parts[part + 1]):
+                layer = self._layer_specs[index]
+                if isinstance(layer, TiedLayerSpec):
+                    stages.setdefault(layer.key, set()).add(part % self.num_stages)
+        return {key: sorted(found) for key, found in sorted(stages.items())}
+
+    def _make_tied_groups(self) -> dict[str, tuple[list[int], torch.distributed.ProcessGroup]]:
+        """One group per (key, data-parallel index) over the stages holding the key; every
+        rank creates every group, in the same order (torch requires it)."""
+        mine = {}
+        me = zcomm.get_rank()
+        for key, stages in self._tied_stages().items():
+            if len(stages) < 2:
+                continue
+            for data in range(self._grid.get_data_parallel_world_size()):
+                ranks = [self._topo.get_rank(pipe=s, data=data) for s in stages]
+                group = zcomm.new_group(ranks)
+                if me in ranks:
+                    mine[key] = (ranks, group)
+        return mine
+
+    def tied_parameters(self, key: str) -> list[nn.Parameter]:
+        """The tied weights of `key` on this stage."""
+        module = self.tied_modules[key]
+        return [getattr(module, attr) for attr in self.tied_weight_attrs[key]]
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Tied weights this stage holds as a copy (a lower stage holds them too): a global
+        gradient norm counts them once, on the lowest stage."""
+        return [
+            p
+            for key, (ranks, _) in self._tied_groups.items()
+            if ranks[0] != zcomm.get_rank()
+            for p in self.tied_parameters(key)
+        ]
+
+    def sync_tied_weights(self) -> None:
+        """Copy each tied weight from the lowest stage holding it to the others."""
+        for key, (ranks, group) in self._tied_groups.items():
+            for p in self.tied_parameters(key):
+                zcomm.broadcast(p.data, ranks[0], group=group)
+
+    def allreduce_tied_grads(self) -> None:
+        """Sum each tied weight's gradient over the stages holding it (``ReduceTiedGrads``)."""
+        for key, (_, group) in self._tied_groups.items():
+            for p in self.tied_parameters(key):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                zcomm.all_reduce(p.grad, group=group)

@@ -1,0 +1,344 @@
+"""One batch of a schedule on one stage: each instruction's handler, and what it leaves behind.
+
+State is kept per (micro-batch, chunk) in a `_Slot`, not per buffer id: a schedule's buffer
+ids only say which slots may be live at once, and keying by the micro-batch makes a slot's
+contents impossible to mix up. A slot is dropped once nothing later reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+import zpipe
+from zengine.pipe._errors import PipelineError, describe
+from zengine.pipe._link import frame_size
+from zengine.pipe._payload import flatten, unflatten
+from zengine.pipe._split import SplitBackward
+
+if TYPE_CHECKING:
+    from zengine.pipe._engine import PipelineEngine
+
+__all__ = ["BatchRun"]
+
+# the computations whose seconds `PipelineEngine.compute_times` records
+_KINDS: dict[type[zpipe.PipeInstruction], str] = {
+    zpipe.ForwardPass: "F",
+    zpipe.BackwardPass: "B",
+    zpipe.BackwardInputPass: "I",
+    zpipe.BackwardWeightPass: "W",
+}
+
+
+@dataclass
+class _Slot:
+    """One micro-batch on one chunk of this stage."""
+
+    inputs: Any = None  # what the forward takes: loaded, or received (float leaves need grad)
+    in_floats: list[torch.Tensor] = field(default_factory=list)  # received float tensors
+    labels: Any = None  # on the last virtual stage
+    outputs: Any = None  # the forward's output (the loss on the last virtual stage)
+    out_floats: list[torch.Tensor] = field(default_factory=list)  # its float tensors
+    out_grads: list[torch.Tensor] | None = None  # their gradients, received
+    input_grads: list[torch.Tensor] | None = None  # to send upstream
+    split: SplitBackward | None = None  # between BackwardInputPass and BackwardWeightPass
+    backward_done: bool = False  # the weight gradients are in
+    grads_sent: bool = False  # the input gradients have gone upstream
+
+
+def _floats(payload: Any) -> list[torch.Tensor]:
+    leaves = pytree.tree_leaves(payload)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class BatchRun:
+    """Runs `schedule`'s instructions for one batch (training when `train`)."""
+
+    def __init__(
+        self,
+        engine: PipelineEngine,
+        schedule: zpipe.PipeSchedule,
+        data_iter: Iterator[Any] | None,
+        *,
+        train: bool,
+    ) -> None:
+        self.engine = engine
+        self.schedule = schedule
+        self.data_iter = data_iter
+        self.train = train
+        self.stage = engine.stage_id
+        self.last = engine.num_stages * engine.chunks - 1  # the last virtual stage
+        self.slots: dict[tuple[int, int], _Slot] = {}
+        self.batches: dict[int, Any] = {}  # micro-batch -> what data_iter gave, until loaded
+        # how many loads of each micro-batch this stage makes: one for the first virtual
+        # stage's inputs and one for the last's labels, when this stage holds them
+        self.loads = sum(int(schedule.owner(v)[0]) == self.stage for v in {0, self.last})
+        self.loaded: dict[int, int] = {}  # micro-batch -> loads made
+        self.losses: dict[int, torch.Tensor] = {}  # micro-batch -> loss (last stage)
+        self.outputs: dict[int, Any] = {}  # micro-batch -> output (last stage, eval)
+        self.handlers: dict[type[zpipe.PipeInstruction], Callable[[Any], None]] = {
+            zpipe.LoadMicroBatch: self.load,
+            zpipe.ForwardPass: self.forward,
+            zpipe.BackwardPass: self.backward,
+            zpipe.BackwardInputPass: self.backward_input,
+            zpipe.BackwardWeightPass: self.backward_weight,
+            zpipe.SendActivation: self.send_activation,
+            zpipe.RecvActivation: self.recv_activation,
+            zpipe.SendGrad: self.send_grad,
+            zpipe.RecvGrad: self.recv_grad,
+            zpipe.ReduceTiedGrads: lambda _: engine.module.allreduce_tied_grads(),
+            zpipe.ReduceGrads: lambda _: engine.optimizer.layout.after_backward(True),
+            zpipe.OptimizerStep: lambda _: engine.optimizer_step(),
+        }
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def execute(self) -> None:
+        """Run every instruction; on failure tell the other stages, and raise naming this
+        stage and the instruction."""
+        link, times = self.engine.link, self.engine.compute_times
+        program = [(step, cmd) for step, cmds in enumerate(self.schedule) for cmd in cmds]
+        for at, (step, cmd) in enumerate(program):
+            handler = self._handler(type(cmd))
+            try:
+                if handler is None:
+                    raise TypeError(f"no handler for {type(cmd).__name__} instructions")
+                with torch.set_grad_enabled(self.train):
+                    start = time.perf_counter()
+                    handler(cmd)
+                    if times is not None and type(cmd) in _KINDS:
+                        times.setdefault(_KINDS[type(cmd)], []).append(time.perf_counter() - start)
+            except PipelineError as error:
+                # already names the stage that failed
+                link.abort(str(error), self._expected([c for _, c in program[at:]]))
+                raise
+            except Exception as error:
+                text = (
+                    f"stage {self.stage} failed in {describe(cmd)} (step {step}): "
+                    f"{type(error).__name__}: {error}"
+                )
+                link.abort(text, self._expected([c for _, c in program[at:]]))
+                raise PipelineError(text, stage=self.stage, instruction=describe(cmd)) from error
+        link.drain()
+
+    def _expected(self, remaining: list[Any]) -> dict[int, int]:
+        """Per peer stage, the size of the frame it expects next from this stage: that of the
+        first send to it still to come (see [Note: the message format] in _link.py)."""
+        link, found = self.engine.link, {}
+        for cmd in remaining:
+            if not isinstance(cmd, zpipe.SendActivation | zpipe.SendGrad):
+                continue
+            virtual = self._virtual(cmd)
+            forward = isinstance(cmd, zpipe.SendActivation)
+            peer = self._peer(virtual + 1 if forward else virtual - 1)
+            if peer == self.stage or peer in found:
+                continue
+            if forward:
+                meta = link.sent_meta.get(virtual)
+                slots = meta.tensor_slots() if meta is not None else []
+            else:
+                slots = self._grad_slots(cmd, virtual)
+            found[peer] = frame_size(slots)
+        return found
+
+    def _grad_slots(self, cmd: Any, virtual: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """The dtypes and shapes of the gradients `cmd` sends: those of the floating-point
+        tensors received for its micro-batch (or, not received yet, the last shapes seen)."""
+        slot = self.slots.get(self._key(cmd))
+        if slot is not None and slot.in_floats:
+            return [(t.dtype, tuple(t.shape)) for t in slot.in_floats]
+        meta = self.engine.link.recv_meta.get(virtual - 1)
+        if meta is None:
+            return []
+        return [(d, shape) for d, shape in meta.tensor_slots() if d.is_floating_point]
+
+    def _handler(self, kind: type[zpipe.PipeInstruction]) -> Callable[[Any], None] | None:
+        """The handler of an instruction class, or of its nearest base with one (so a
+        subclass of an instruction runs as its base unless it is registered itself)."""
+        for klass in kind.__mro__:
+            found = self.handlers.get(klass)
+            if found is not None:
+                return found
+        return None
+
+    # -- where an instruction's data lives -----------------------------------------------------
+
+    def _key(self, cmd: Any) -> tuple[int, int]:
+        mb = cmd.micro_batch_id
+        return (mb if mb is not None else -1 - cmd.buffer_id, cmd.chunk_id)
+
+    def _slot(self, cmd: Any) -> _Slot:
+        return self.slots.setdefault(self._key(cmd), _Slot())
+
+    def _virtual(self, cmd: Any) -> int:
+        return int(self.schedule.virtual_stage(cmd.chunk_id))
+
+    def _peer(self, virtual: int) -> int:
+        return int(self.schedule.owner(virtual)[0])
+
+    # -- data and forward ----------------------------------------------------------------------
+
+    def load(self, cmd: Any) -> None:
+        mb = cmd.micro_batch_id
+        if mb is None:  # a schedule without micro-batch ids loads them in order
+            mb = sum(self.loaded.values()) // max(self.loads, 1)
+        if mb not in self.batches:
+            if mb in self.loaded:
+                raise RuntimeError(f"micro-batch {mb} is loaded more than {self.loads} time(s)")
+            if self.data_iter is None:
+                raise ValueError("this stage loads micro-batches: pass data_iter")
+            try:
+                self.batches[mb] = next(self.data_iter)
+            except StopIteration:
+                raise ValueError(f"data_iter ran out before micro-batch {mb}") from None
+        batch = self.batches[mb]
+        self.loaded[mb] = self.loaded.get(mb, 0) + 1
+        if self.loaded[mb] >= self.loads:
+            del self.batches[mb]  # every load of it done: let it go
+        if not isinstance(batch, tuple | list) or len(batch) != 2:
+            raise TypeError(
+                f"data_iter must yield (inputs, labels) pairs, got {type(batch).__name__}"
+            )
+        slot, virtual, device = self._slot(cmd), self._virtual(cmd), self.engine.device
+        if virtual == 0:
+            slot.inputs = pytree.tree_map(lambda t: _to(t, device), batch[0])
+        if virtual == self.last:
+            slot.labels = pytree.tree_map(lambda t: _to(t, device), batch[1])
+
+    def forward(self, cmd: Any) -> None:
+        slot, engine = self._slot(cmd), self.engine
+        outputs = engine.module(slot.inputs, chunk=cmd.chunk_id)
+        if self._virtual(cmd) != self.last:
+            slot.outputs, slot.out_floats = outputs, _floats(outputs)
+            return
+        mb, labels = cmd.micro_batch_id, slot.labels
+        if not self.train:
+            self.outputs[mb] = outputs
+            self.slots.pop(self._key(cmd))
+            if not engine.eval_computes_loss:
+                return
+        loss_fn = engine.module.loss_fn
+        loss = loss_fn(outputs, labels) if loss_fn is not None else outputs
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"the loss must be a tensor of one element, got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
+        self.losses[mb] = loss.detach()
+        slot.outputs = loss
+
+    # -- activations ---------------------------------------------------------------------------
+
+    def send_activation(self, cmd: Any) -> None:
+        slot, virtual = self._slot(cmd), self._virtual(cmd)
+        self.engine.link.send_activation(
+            slot.outputs,
+            to=self._peer(virtual + 1),
+            micro_batch=cmd.micro_batch_id,
+            source=virtual,
+        )
+        if not self.train:
+            self.slots.pop(self._key(cmd))
+
+    def recv_activation(self, cmd: Any) -> None:
+        virtual = self._virtual(cmd)
+        payload = self.engine.link.recv_activation(
+            frm=self._peer(virtual - 1),
+            micro_batch=cmd.micro_batch_id,
+            source=virtual - 1,
+            where=describe(cmd),
+        )
+        tensors, meta = flatten(payload)  # detached: this stage's graph starts here
+        slot = self._slot(cmd)
+        if self.train:
+            slot.in_floats = [t.requires_grad_() for t in tensors if t.is_floating_point()]
+        slot.inputs = unflatten(tensors, meta)
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _targets(self, cmd: Any, slot: _Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What the backward starts from: the scaled loss, or the outputs and their grads."""
+        if self._virtual(cmd) == self.last:
+            loss = slot.outputs.float() * self.engine.loss_factor()
+            return [loss], [torch.ones_like(loss)]
+        if slot.out_grads is None:
+            raise RuntimeError("the backward runs before the gradient of its output arrived")
+        pairs = [
+            (t, g) for t, g in zip(slot.out_floats, slot.out_grads, strict=True) if t.requires_grad
+        ]
+        return [t for t, _ in pairs], [g for _, g in pairs]
+
+    def backward(self, cmd: Any) -> None:
+        slot = self._slot(cmd)
+        outputs, grads = self._targets(cmd, slot)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        slot.input_grads = [
+            t.grad if t.grad is not None else torch.zeros_like(t) for t in slot.in_floats
+        ]
+        self._backward_done(cmd, slot)
+
+    def backward_input(self, cmd: Any) -> None:
+        slot = self._slot(cmd)
+        outputs, grads = self._targets(cmd, slot)
+        params = self.engine.chunk_parameters(cmd.chunk_id)
+        slot.split = SplitBackward(outputs, grads, list(slot.in_floats), params)
+        found = slot.split.input_pass() if outputs else [None] * len(slot.in_floats)
+        slot.input_grads = [
+            g if g is not None else torch.zeros_like(t)
+            for t, g in zip(slot.in_floats, found, strict=True)
+        ]
+        slot.outputs, slot.out_floats, slot.out_grads = None, [], None  # the split holds them
+
+    def backward_weight(self, cmd: Any) -> None:
+        slot = self._slot(cmd)
+        if slot.split is None:
+            raise RuntimeError("BackwardWeightPass before its BackwardInputPass")
+        slot.split.weight_pass()
+        slot.split = None
+        self._backward_done(cmd, slot)
+
+    def _backward_done(self, cmd: Any, slot: _Slot) -> None:
+        slot.outputs, slot.out_floats, slot.out_grads = None, [], None
+        slot.backward_done = True
+        self._release(cmd, slot)
+
+    def _release(self, cmd: Any, slot: _Slot) -> None:
+        """Drop the slot once its backward is done and its input gradients are sent (the
+        first virtual stage sends none)."""
+        if slot.backward_done and (slot.grads_sent or self._virtual(cmd) == 0):
+            self.slots.pop(self._key(cmd), None)
+
+    def send_grad(self, cmd: Any) -> None:
+        slot, virtual = self._slot(cmd), self._virtual(cmd)
+        if slot.input_grads is None:
+            raise RuntimeError("SendGrad before the backward that makes the gradients")
+        self.engine.link.send_grads(
+            slot.input_grads,
+            to=self._peer(virtual - 1),
+            micro_batch=cmd.micro_batch_id,
+            source=virtual,
+        )
+        slot.input_grads, slot.in_floats, slot.inputs = None, [], None
+        slot.grads_sent = True
+        self._release(cmd, slot)
+
+    def recv_grad(self, cmd: Any) -> None:
+        slot, virtual = self._slot(cmd), self._virtual(cmd)
+        shapes = [(t.dtype, tuple(t.shape)) for t in slot.out_floats]
+        slot.out_grads = self.engine.link.recv_grads(
+            shapes,
+            frm=self._peer(virtual + 1),
+            micro_batch=cmd.micro_batch_id,
+            source=virtual + 1,
+            where=describe(cmd),
+        )
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,122 @@
+"""The pipeline engine against the same model trained unsplit in one process: every schedule,
+2 and 4 stages, pipe x data parallel, mixed precision, activation checkpointing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import zcomm
+from zcomm.testing import DistributedTest
+from zengine.pipe import PipelineEngine
+
+from .test_pipe import (
+    batches,
+    config,
+    initialize,
+    micro_batches,
+    pipeline,
+    reference_losses,
+    tied_weights_equal,
+    train,
+)
+
+STEPS = 10
+
+
+def _run(
+    stages: int,
+    *,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    data_parallel: int = 1,
+    steps: int = STEPS,
+    **extra: Any,
+) -> tuple[list[float], list[float], PipelineEngine]:
+    cfg = config(pipeline={"schedule": schedule}, **extra)
+    module = pipeline(stages, chunks=chunks)
+    engine = initialize(module, cfg)
+    size = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
+    data = batches(steps, size * data_parallel)
+    expected, _ = reference_losses(data, clip=float(extra.get("gradient_clipping", 0.0)))
+    return train(engine, data), expected, engine
+
+
+class TestParity(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize(
+        ("schedule", "chunks"),
+        [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1), ("interleaved", 2)],
+    )
+    def test_two_stages_match_one_process(self, schedule: str, chunks: int) -> None:
+        losses, expected, engine = _run(2, schedule=schedule, chunks=chunks)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+        assert tied_weights_equal(engine.module)
+        assert engine.global_steps == STEPS
+
+    def test_schedules_as_written(self) -> None:
+        # what NCCL runs: the sends where the schedule puts them, not moved up
+        data = batches(3, 8)
+        expected, _ = reference_losses(data)
+        for schedule, chunks in [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1), ("interleaved", 2)]:
+            engine = initialize(pipeline(2, chunks=chunks), config(pipeline={"schedule": schedule}))
+            engine.eager_sends = False
+            torch.testing.assert_close(train(engine, data), expected, rtol=1e-5, atol=0)
+            assert engine.eval_batch(micro_batches(data[0], 4, 1, 0)).isfinite()
+
+    @pytest.mark.world_size(4)
+    @pytest.mark.parametrize(
+        ("schedule", "chunks"), [("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2)]
+    )
+    def test_four_stages_match_one_process(self, schedule: str, chunks: int) -> None:
+        # interleaved: 7 layers in 8 chunks, so one chunk is empty and passes its input on
+        losses, expected, engine = _run(4, schedule=schedule, chunks=chunks)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+        assert tied_weights_equal(engine.module)
+
+    @pytest.mark.world_size(4)
+    @pytest.mark.parametrize("stage", [0, 1])
+    def test_pipe_by_data_parallel(self, stage: int) -> None:
+        # 2 stages x 2 replicas, clipped: the norm spans the pipeline and the data axis
+        losses, expected, engine = _run(
+            2,
+            data_parallel=2,
+            zero_optimization={"stage": stage},
+            gradient_clipping=0.5,
+        )
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+        # the grid is zcomm's pipe x data topology: rank = stage * 2 + replica
+        rank = zcomm.get_rank()
+        coord = engine.module.topology().get_coord(rank)
+        assert (engine.stage_id, engine.grid.get_data_parallel_rank()) == (coord.pipe, coord.data)
+        assert (engine.stage_id, engine.grid.get_data_parallel_rank()) == divmod(rank, 2)
+        assert engine.grid.get_data_parallel_world_size() == 2
+        assert engine.train_batch_size() == 2 * 4 * 2
+        assert tied_weights_equal(engine.module)
+
+    @pytest.mark.world_size(1)
+    def test_one_stage_in_two_chunks(self) -> None:
+        # chunk 0 hands its activations to chunk 1 of the same stage through a local queue
+        losses, expected, _ = _run(1, schedule="interleaved", chunks=2)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+
+    @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+    def test_activation_checkpointing(self, schedule: str) -> None:
+        cfg = {"activation_checkpoint_interval": 1, "schedule": schedule}
+        module = pipeline(2)
+        engine = initialize(module, config(pipeline=cfg))
+        assert module.activation_checkpoint_interval == 1
+        data = batches(4, 8)
+        expected, _ = reference_losses(data)
+        torch.testing.assert_close(train(engine, data), expected, rtol=1e-5, atol=0)
+
+    @pytest.mark.parametrize("precision", ["bf16", "fp16"])
+    def test_half_precision_follows_fp32(self, precision: str) -> None:
+        scale = {"loss_scale": 0, "initial_scale_power": 8} if precision == "fp16" else {}
+        half: dict[str, Any] = {precision: {"enabled": True, **scale}}
+        losses, expected, engine = _run(2, steps=6, **half)
+        torch.testing.assert_close(losses, expected, rtol=3e-2, atol=0)
+        assert next(engine.module.parameters()).dtype == engine.config.dtype
