@@ -1,0 +1,240 @@
+"""``engine.save_checkpoint`` and ``engine.load_checkpoint``, with torch.distributed.checkpoint.
+
+Each rank writes its own pieces in parallel (one file per rank, keyed by parameter name: see
+[Note: checkpoints keyed by parameter name]); the directory becomes a checkpoint, and
+``latest`` names it, only once every rank's files are on disk (see [Note: a checkpoint is good
+or absent]). Both calls are collective: every rank of the data-parallel group must make them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from zengine import _checkpoint_files as files
+from zengine._checkpoint_dcp import save_sharded
+from zengine._checkpoint_errors import CheckpointError, CorruptCheckpointError
+from zengine._checkpoint_manifest import check, describe
+from zengine._checkpoint_pieces import PieceLoadPlanner
+from zengine._checkpoint_state import (
+    ENGINE,
+    apply_engine_state,
+    apply_optimizer_objects,
+    apply_rng,
+    engine_state,
+    model_entries,
+    optimizer_destinations,
+    optimizer_entries,
+    rank_key,
+    rng_state,
+)
+from zengine._checkpoint_sync import Sync
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+log = logging.getLogger("zengine")
+
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
+
+
+def _sync(engine: Any) -> Sync:
+    return Sync(engine.optimizer.group, engine.config.checkpoint.timeout)
+
+
+def _failures(error: CheckpointException) -> str:
+    """DCP's per-rank exceptions, one line each."""
+    return "; ".join(f"{type(e).__name__}: {e}" for e, _ in error.failures.values())
+
+
+def _agreed_tag(engine: Any, sync: Sync, tag: str) -> str:
+    """The tag every rank saves under: rank 0's. Every rank sees every rank's tag, so they all
+    raise alike (a name that is no directory name; different tags with ``tag_validation``
+    FAIL) or go on alike."""
+    tags: list[str] = sync.gather(tag)
+    bad = sorted({t for t in tags if not _TAG.fullmatch(t) or t == files.LATEST})
+    if bad:
+        raise ValueError(
+            f"save_checkpoint: tag {bad[0]!r} is not usable as a directory name (letters, "
+            f"digits, '_', '.', '+', '-'; not starting with '.'; not {files.LATEST!r})"
+        )
+    if len(set(tags)) > 1:
+        mode = engine.config.checkpoint.tag_validation
+        message = f"save_checkpoint: the ranks passed different tags: {tags}"
+        if mode == "FAIL":
+            raise CheckpointError(message)
+        if mode == "WARN":
+            log.warning("zengine: %s; saving under rank 0's, %r", message, tags[0])
+    return tags[0]
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
+) -> bool:
+    """Save everything training needs to resume exactly; every rank must call it."""
+    sync = _sync(engine)
+    sync.arrive("save_checkpoint")
+    engine.optimizer.resident()  # offloaded to NVMe (offload_optimizer/param): read it back
+    tag = _agreed_tag(
+        engine, sync, str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    )
+    root = Path(save_dir)
+    partial = files.partial_dir(root, tag)
+    start = time.perf_counter()
+    error = None
+    if sync.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            files.remove_quietly(partial)
+            partial.mkdir()
+        except OSError as exc:
+            error = f"cannot create {partial}: {exc}"
+    sync.agree(f"save_checkpoint({str(root)!r}, tag={tag!r})", error)
+    log.info("zengine: saving checkpoint %s to %s", tag, root)
+    try:
+        _write(engine, sync, partial, root / tag, client_state, save_latest)
+    except BaseException as exc:
+        if sync.rank == 0:
+            files.remove_quietly(partial)  # the last good checkpoint and `latest` stay as they were
+        if isinstance(exc, CheckpointError):
+            sync.gather(None)  # every rank failed here alike: none returns before the cleanup
+        raise
+    size = sum(f.stat().st_size for f in (root / tag).iterdir())
+    log.info(
+        "zengine: saved checkpoint %s (%.1f MiB) in %.2f s",
+        root / tag,
+        size / 2**20,
+        time.perf_counter() - start,
+    )
+    return True
+
+
+def _write(
+    engine: Any,
+    sync: Sync,
+    partial: Path,
+    final: Path,
+    client_state: dict[str, Any] | None,
+    save_latest: bool,
+) -> None:
+    state: dict[str, Any] = {**model_entries(engine), **optimizer_entries(engine)}
+    state[ENGINE] = engine_state(engine)
+    state[rank_key(sync.rank, "rng")] = rng_state()
+    state[rank_key(sync.rank, "client_state")] = dict(client_state or {})
+    where = f"save_checkpoint to {final}"
+    save_sharded(state, partial, sync, what=where)
+    log.info("zengine: shards written; checksumming")
+    mine = {
+        f.name: dict(zip(("crc32", "bytes"), files.checksum(f), strict=True), rank=sync.rank)
+        for f in files.rank_files(partial, sync.rank)
+    }
+    written: dict[str, Any] = {}
+    for part in sync.gather(mine):
+        written.update(part)
+    error = None
+    if sync.rank == 0:
+        try:
+            _finish(engine, partial, final, written, save_latest)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    sync.agree(f"{where} (manifest, rename and '{files.LATEST}' on rank 0)", error)
+
+
+def _finish(
+    engine: Any, partial: Path, final: Path, written: dict[str, Any], save_latest: bool
+) -> None:
+    """Rank 0, once every rank's files are on disk: the manifest, the rename, ``latest``."""
+    crc, size = files.checksum(partial / ".metadata")
+    written[".metadata"] = {"crc32": crc, "bytes": size, "rank": 0}
+    manifest = {**describe(engine), "tag": final.name, "files": written}
+    files.write_atomic(partial / files.MANIFEST, json.dumps(manifest, indent=1).encode())
+    files.publish(partial, final)
+    if save_latest:
+        files.write_atomic(final.parent / files.LATEST, final.name.encode())
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Load a checkpoint saved at any world size and ZeRO stage; ``(path, client_state)``, or
+    ``(None, None)`` when `load_dir` holds no ``latest`` and no tag is given (DeepSpeed's)."""
+    sync = _sync(engine)
+    sync.arrive("load_checkpoint")
+    engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
+    root = Path(load_dir)
+    if tag is None and not (root / files.MANIFEST).exists() and files.read_latest(root) is None:
+        log.warning("zengine: no '%s' file in %s: no checkpoint loaded", files.LATEST, root)
+        return None, None
+    start = time.perf_counter()
+    directory, manifest, error = root, {}, None
+    try:
+        directory = files.resolve(root, tag)
+        manifest = files.read_manifest(directory)
+        check(manifest, engine, where=str(directory), optimizer=load_optimizer_states)
+    except CheckpointError as exc:
+        error = exc
+    sync.agree("load_checkpoint", error)  # every rank sees the same files, or none goes on
+    _verify(sync, directory, manifest)
+    log.info("zengine: loading checkpoint %s", directory)
+    loaded = _read(engine, sync, directory, manifest, load_optimizer_states)
+    engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
+    engine.optimizer.zero_grad()
+    if load_optimizer_states:
+        apply_optimizer_objects(engine, loaded)
+    apply_engine_state(engine, loaded[ENGINE], scheduler=load_lr_scheduler_states)
+    src = sync.rank % int(manifest["world_size"])
+    apply_rng(loaded[rank_key(src, "rng")])
+    log.info("zengine: loaded checkpoint %s in %.2f s", directory, time.perf_counter() - start)
+    client: dict[str, Any] = loaded[rank_key(src, "client_state")]
+    return str(directory), client
+
+
+def _verify(sync: Sync, directory: Path, manifest: dict[str, Any]) -> None:
+    """Every file against its checksum, each rank checking its share of the files."""
+    names = sorted(manifest["files"])
+    error = None
+    try:
+        problems = files.verify(directory, manifest["files"], names[sync.rank :: sync.world])
+        error = "; ".join(problems) or None
+    except OSError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    sync.agree(f"load_checkpoint({str(directory)!r})", error, CorruptCheckpointError)
+
+
+def _read(
+    engine: Any, sync: Sync, directory: Path, manifest: dict[str, Any], optimizer: bool
+) -> dict[str, Any]:
+    reader = FileSystemReader(directory)
+    metadata = reader.read_metadata()
+    dest: dict[str, Any] = dict(model_entries(engine))
+    if optimizer:
+        dest.update(optimizer_destinations(engine, metadata))
+    src = sync.rank % int(manifest["world_size"])
+    for key in (ENGINE, rank_key(src, "rng"), rank_key(src, "client_state")):
+        dest[key] = None
+    error = None
+    try:  # each rank reads its own pieces: no collective (see _checkpoint_dcp.py)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:
+        error = _failures(exc)
+    sync.agree(f"load_checkpoint({str(directory)!r}): reading", error, CorruptCheckpointError)
+    return dest

@@ -1,0 +1,18 @@
+"""The errors checkpoint saving and loading raise: each names the checkpoint and what is wrong."""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "CheckpointMismatchError", "CorruptCheckpointError"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; a failed save leaves the last good one."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files are missing, incomplete or do not match their checksums."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint was saved from another model or optimizer config; the message lists what
+    differs."""

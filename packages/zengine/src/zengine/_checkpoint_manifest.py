@@ -1,0 +1,133 @@
+"""The manifest of a checkpoint: what model and optimizer it is of, checked on load.
+
+A checkpoint loads into any world size and any ZeRO stage (it is keyed by parameter name), but
+not into another model or another optimizer: `check` lists every difference (a parameter missing
+or extra, a shape, a frozen parameter now trained, the optimizer type, the parameter groups) in
+one error, rather than DCP's first missing key.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from zengine.__about__ import __version__
+from zengine._checkpoint_errors import CheckpointMismatchError
+from zengine._checkpoint_state import full_shape, persistent_buffers
+
+__all__ = ["FORMAT", "check", "describe"]
+
+FORMAT = 1  # bumped when the layout of the keys changes
+_SHOWN = 8  # differences listed per kind before "and N more"
+
+log = logging.getLogger("zengine")
+
+
+def _groups(engine: Any) -> dict[int, int]:
+    """id(param) -> index of its optimizer parameter group."""
+    return {id(p): g for g, params in enumerate(engine.optimizer.layout.params) for p in params}
+
+
+def describe(engine: Any) -> dict[str, Any]:
+    """What a checkpoint of `engine` is of (the manifest, without the files)."""
+    groups = _groups(engine)
+    params = {
+        name: {
+            "shape": list(full_shape(p)),
+            "dtype": str(getattr(p, "ds_tensor", p).dtype).removeprefix("torch."),
+            "group": groups.get(id(p)),  # None: frozen, no master and no optimizer state
+        }
+        for name, p in engine.module.named_parameters()
+    }
+    buffers = {name: list(b.shape) for name, b in persistent_buffers(engine.module)}
+    scaler = engine.optimizer.loss_scaler
+    return {
+        "format": FORMAT,
+        "zengine": __version__,
+        "world_size": dist.get_world_size(engine.optimizer.group),
+        "zero_stage": engine.zero_optimization_stage,
+        "loss_scaler": type(scaler).__name__ if scaler is not None else None,
+        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "param_groups": len(engine.optimizer.param_groups),
+        "params": params,
+        "buffers": buffers,
+    }
+
+
+def _listed(kind: str, names: list[str]) -> list[str]:
+    if not names:
+        return []
+    shown = ", ".join(names[:_SHOWN])
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return [f"{kind}: {shown}{more}"]
+
+
+def _param_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    old, new = saved["params"], now["params"]
+    out = _listed("parameters in the checkpoint but not in the model", sorted(old.keys() - new))
+    out += _listed("parameters in the model but not in the checkpoint", sorted(new.keys() - old))
+    both = sorted(old.keys() & new.keys())
+    out += _listed(
+        "shapes differ (checkpoint vs model)",
+        [
+            f"{n} {tuple(old[n]['shape'])} vs {tuple(new[n]['shape'])}"
+            for n in both
+            if old[n]["shape"] != new[n]["shape"]
+        ],
+    )
+    out += _listed(
+        "trainable in the model but frozen in the checkpoint (no master weights saved)",
+        [n for n in both if new[n]["group"] is not None and old[n]["group"] is None],
+    )
+    out += _listed(
+        "buffers in the checkpoint but not in the model",
+        sorted(saved["buffers"].keys() - now["buffers"]),
+    )
+    out += _listed(
+        "buffers in the model but not in the checkpoint",
+        sorted(now["buffers"].keys() - saved["buffers"]),
+    )
+    return out
+
+
+def _optimizer_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    out = []
+    if saved["optimizer"] != now["optimizer"]:
+        out.append(f"optimizer: {saved['optimizer']} in the checkpoint, {now['optimizer']} now")
+    if saved["param_groups"] != now["param_groups"]:
+        out.append(
+            f"optimizer parameter groups: {saved['param_groups']} in the checkpoint, "
+            f"{now['param_groups']} now"
+        )
+    old, new = saved["params"], now["params"]
+    moved = [
+        f"{n} (group {old[n]['group']} vs {new[n]['group']})"
+        for n in sorted(old.keys() & new.keys())
+        if None not in (old[n]["group"], new[n]["group"]) and old[n]["group"] != new[n]["group"]
+    ]
+    return out + _listed("parameters in another optimizer group", moved)
+
+
+def check(saved: dict[str, Any], engine: Any, *, where: str, optimizer: bool) -> None:
+    """Raise `CheckpointMismatchError` listing what differs between the checkpoint's manifest
+    and `engine`; log what differs but reshards (world size, stage, precision)."""
+    if saved.get("format") != FORMAT:
+        raise CheckpointMismatchError(
+            f"{where}: checkpoint format {saved.get('format')!r}, this zengine reads {FORMAT}"
+        )
+    now = describe(engine)
+    problems = _param_differences(saved, now)
+    if optimizer:
+        problems += _optimizer_differences(saved, now)
+    if problems:
+        lines = "\n  ".join(problems)
+        raise CheckpointMismatchError(
+            f"{where} is not a checkpoint of this model and config:\n  {lines}"
+        )
+    for key in ("world_size", "zero_stage", "loss_scaler"):
+        if saved[key] != now[key]:
+            log.info(
+                "zengine: %s: %s %s in the checkpoint, %s now", where, key, saved[key], now[key]
+            )

@@ -1,0 +1,218 @@
+"""What a checkpoint holds, as a flat DCP state dict keyed by parameter name.
+
+Keys (see [Note: checkpoints keyed by parameter name]):
+
+- ``master/<param>``: the fp32 master weights of a trainable parameter, flattened;
+- ``optim/<param>/<state>``: its optimizer state (``exp_avg``...: flattened like the master;
+  a 0-d state such as Adam's ``step``: whole, the same on every rank);
+- ``model/<name>``: a frozen parameter (compute dtype) or a buffer, flattened;
+- ``optim/param_groups``: the torch optimizer's group options (learning rates...);
+- ``engine``: step counters, loss scaler and LR scheduler state;
+- ``rank<r>/rng``, ``rank<r>/client_state``: what differs between ranks.
+
+The same builders make the save source and the load destination: on load the values are views
+of this rank's own tensors, so DCP reads straight into them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from zengine._checkpoint_pieces import Piece
+
+__all__ = [
+    "ENGINE",
+    "PARAM_GROUPS",
+    "apply_engine_state",
+    "apply_rng",
+    "engine_state",
+    "model_entries",
+    "optimizer_entries",
+    "persistent_buffers",
+    "rank_key",
+    "rng_state",
+]
+
+ENGINE = "engine"
+PARAM_GROUPS = "optim/param_groups"
+
+
+def rank_key(rank: int, what: str) -> str:
+    return f"rank{rank}/{what}"
+
+
+def full_numel(p: torch.Tensor) -> int:
+    """A parameter's element count, also when ZeRO-3 partitioned it (``p.data`` is empty)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers ``module.state_dict()`` holds (not the non-persistent ones)."""
+    for prefix, mod in module.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+
+def _valid(numel: int, param_offset: int, size: int) -> int:
+    """Elements of a piece inside the parameter: a ZeRO-3 shard's padding lies beyond it."""
+    return max(0, min(numel, size - param_offset))
+
+
+def model_entries(engine: Any) -> dict[str, Piece]:
+    """The masters of trainable parameters, frozen parameters and buffers, as this rank's
+    pieces (views: written into on load)."""
+    parts = engine.optimizer.partitions
+    rank = dist.get_rank(engine.optimizer.group)
+    entries: dict[str, Piece] = {}
+    for name, p in engine.module.named_parameters():
+        size = full_numel(p)
+        frag = parts.fragments.get(id(p))
+        if frag is not None:
+            master = parts.master_of(p)
+            valid = _valid(frag.numel, frag.param_offset, size)
+            entries[f"master/{name}"] = Piece(master[:valid], min(frag.param_offset, size), size)
+        elif hasattr(p, "ds_tensor"):  # a frozen ZeRO-3 parameter: its shard
+            shard = p.ds_tensor
+            offset = min(rank * shard.numel(), size)
+            entries[f"model/{name}"] = Piece(
+                shard[: _valid(shard.numel(), offset, size)], offset, size
+            )
+        else:  # a frozen parameter at stages 0-2: whole on every rank
+            entries[f"model/{name}"] = Piece(p.data.view(-1), 0, size)
+    for name, buf in persistent_buffers(engine.module):
+        entries[f"model/{name}"] = Piece(buf.data.view(-1), 0, buf.numel())
+    return entries
+
+
+def _param_states(engine: Any) -> Iterator[tuple[str, torch.Tensor, int, int, int, dict[Any, Any]]]:
+    """Per trainable parameter: name, the tensor the optimizer steps for it, the piece's offset
+    in that tensor, its offset in the parameter, its length, and the optimizer's state dict."""
+    parts = engine.optimizer.partitions
+    state = engine.optimizer.optimizer.state
+    for name, p in engine.module.named_parameters():
+        key = parts.state_key(p)
+        if key is None:
+            continue
+        stepped, offset = key
+        frag = parts.fragments[id(p)]
+        size = full_numel(p)
+        valid = _valid(frag.numel, frag.param_offset, size)
+        yield name, stepped, offset, min(frag.param_offset, size), valid, state[stepped]
+
+
+def optimizer_entries(engine: Any) -> dict[str, Any]:
+    """This rank's optimizer state by parameter name (views of the live state)."""
+    entries: dict[str, Any] = {}
+    for name, stepped, offset, param_offset, valid, st in _param_states(engine):
+        size = full_numel(_param(engine, name))
+        for k, v in st.items():
+            key = f"optim/{name}/{k}"
+            if isinstance(v, torch.Tensor) and v.shape == stepped.shape:
+                entries[key] = Piece(v[offset : offset + valid], param_offset, size)
+            else:
+                entries[key] = v  # a 0-d tensor or a number, the same on every rank
+    entries[PARAM_GROUPS] = [
+        {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+    ]
+    return entries
+
+
+def _param(engine: Any, name: str) -> torch.Tensor:
+    return engine.module.get_parameter(name)  # type: ignore[no-any-return]
+
+
+def optimizer_destinations(engine: Any, metadata: Metadata) -> dict[str, Any]:
+    """Where the checkpoint's optimizer state goes: the live state, created where the
+    optimizer has not stepped yet (a fresh engine), shaped as the checkpoint says."""
+    stored = metadata.state_dict_metadata
+    for name, stepped, _, _, _, st in _param_states(engine):
+        prefix = f"optim/{name}/"
+        size = full_numel(_param(engine, name))
+        for key in (k for k in stored if k.startswith(prefix)):
+            k, md = key[len(prefix) :], stored[key]
+            if k in st or not isinstance(md, TensorStorageMetadata):
+                continue
+            dtype = md.properties.dtype
+            if tuple(md.size) == (size,):
+                st[k] = torch.zeros_like(stepped, dtype=dtype)
+            else:
+                st[k] = torch.zeros(tuple(md.size), dtype=dtype, device=stepped.device)
+    return {k: v for k, v in optimizer_entries(engine).items() if k in stored}
+
+
+def apply_optimizer_objects(engine: Any, loaded: dict[str, Any]) -> None:
+    """Put back what DCP loaded as objects (group options, non-tensor state)."""
+    for g, options in zip(engine.optimizer.param_groups, loaded[PARAM_GROUPS], strict=True):
+        g.update({k: v for k, v in options.items() if k != "params"})
+    for name, _, _, _, _, st in _param_states(engine):
+        for k in list(st):
+            value = loaded.get(f"optim/{name}/{k}")
+            if value is not None and not isinstance(value, (torch.Tensor, Piece)):
+                st[k] = value
+
+
+def engine_state(engine: Any) -> dict[str, Any]:
+    scaler = engine.optimizer.loss_scaler
+    scheduler = engine.lr_scheduler
+    return {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.optimizer.skipped_steps,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+    }
+
+
+def apply_engine_state(engine: Any, state: dict[str, Any], *, scheduler: bool) -> None:
+    engine.global_steps = int(state["global_steps"])
+    engine.global_samples = int(state["global_samples"])
+    engine.micro_steps = int(state["micro_steps"])
+    engine.optimizer.skipped_steps = int(state["skipped_steps"])
+    scaler = engine.optimizer.loss_scaler
+    if scaler is not None and state["loss_scaler"] is not None:
+        scaler.load_state_dict(state["loss_scaler"])
+    if scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def _numpy() -> Any:
+    """NumPy's module where it is installed (its global RNG is restored too), else None."""
+    try:
+        return importlib.import_module("numpy")
+    except ImportError:
+        return None
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator training may draw from (dropout, sampling, shuffling)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = _numpy()
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def apply_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy = _numpy()
+    if "numpy" in state and numpy is not None:
+        numpy.random.set_state(state["numpy"])

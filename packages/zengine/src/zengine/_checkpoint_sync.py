@@ -1,0 +1,117 @@
+"""How the ranks agree during a checkpoint save or load.
+
+Every step of a save or load that can fail on one rank (a full disk, a corrupt file) ends in
+`Sync.agree`: each rank says what went wrong, if anything, and then every rank raises the same
+error naming every failed rank, so no rank hangs in a later collective waiting for one that
+already gave up. `Sync.arrive` is where a rank that never comes is noticed: on gloo a monitored
+barrier with the ``checkpoint.timeout`` names the ranks that did not arrive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zcomm
+from zengine._checkpoint_errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+)
+
+__all__ = ["Sync"]
+
+
+class Sync:
+    """The data-parallel group of an engine, for checkpoint agreement."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = timedelta(seconds=timeout) if timeout is not None else None
+
+    def arrive(self, op: str) -> None:
+        """Wait until every rank has called `op`; a `zcomm.CommTimeoutError` naming the ranks
+        that did not come within the timeout."""
+        if self.world == 1:
+            return
+        if dist.get_backend(self.group) != "gloo":
+            zcomm.barrier(group=self.group)  # the group's own timeout, named by zcomm
+            return
+        try:
+            dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as error:
+            raise zcomm.CommTimeoutError(
+                f"monitored_barrier at the start of {op}",
+                f"the data-parallel group ({self.world} ranks)",
+                dist.get_rank(),
+                f"{error} (those ranks did not call {op} in time: every rank must call it)",
+            ) from error
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (picklable), in rank order.
+
+        Pickles go through tensors here rather than ``dist.all_gather_object``, which needs
+        NumPy on CPU (torch calls ``tensor.numpy()`` to unpickle).
+        """
+        if self.world == 1:
+            return [value]
+        data = pickle.dumps(value)
+        device = self._device()
+        sizes = torch.zeros(self.world, dtype=torch.int64, device=device)
+        mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        zcomm.all_gather_into_tensor(sizes, mine, group=self.group)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(self.world * longest, dtype=torch.uint8, device=device)
+        zcomm.all_gather_into_tensor(out, padded.to(device), group=self.group)
+        out = out.cpu()
+        base = out.data_ptr()
+        return [
+            pickle.loads(ctypes.string_at(base + r * longest, int(n)))
+            for r, n in enumerate(sizes.tolist())
+        ]
+
+    def _device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def agree(
+        self,
+        what: str,
+        error: str | BaseException | None,
+        kind: type[CheckpointError] = CheckpointError,
+    ) -> None:
+        """Raise on every rank when `error` is set on any: the message names each failed rank
+        and its error (once, when they all failed alike). The error is `kind`, or the class of
+        the first failed rank's exception when that is a `CheckpointError`."""
+        mine: tuple[str, str] | None = None
+        if isinstance(error, BaseException):
+            mine = (type(error).__name__, str(error))
+        elif error is not None:
+            mine = ("", error)
+        errors = self.gather(mine)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        ranks = ", ".join(str(r) for r, _ in failed)
+        messages = {message for _, (_, message) in failed}
+        if len(messages) == 1:
+            detail = messages.pop()
+        else:
+            detail = "\n  ".join(f"rank {r}: {message}" for r, (_, message) in failed)
+        first = failed[0][1][0]
+        chosen = next((c for c in _KINDS if c.__name__ == first), kind)
+        raise chosen(f"{what} failed on rank {ranks}:\n  {detail}")
+
+
+_KINDS = (CheckpointError, CheckpointMismatchError, CorruptCheckpointError)

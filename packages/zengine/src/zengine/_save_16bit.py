@@ -1,0 +1,97 @@
+"""``engine.save_16bit_model``: the whole model in its compute dtype, one file, from rank 0.
+
+At stage 3 no rank holds the whole model, so it is gathered one module at a time (each
+module's own parameters, then released), and only with
+``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's switch: the
+gathered model must fit in rank 0's host memory). Every rank must call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zpartition
+from zengine._checkpoint_state import persistent_buffers
+from zengine._checkpoint_sync import Sync
+from zengine._safetensors import SafetensorsWriter
+
+__all__ = ["save_16bit_model"]
+
+log = logging.getLogger("zengine")
+
+
+def _gathered_state(engine: Any, rank: int, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    """The module's parameters (gathered module by module at stage 3) and buffers, on the
+    host, on rank 0; empty elsewhere. A parameter shared by two modules is saved once."""
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, module in engine.module.named_modules():
+        own = [
+            (name, p)
+            for name, p in module.named_parameters(recurse=False)
+            if id(p) not in seen and (p.requires_grad or not exclude_frozen)
+        ]
+        seen.update(id(p) for _, p in own)
+        with zpartition.GatheredParameters([p for _, p in own], modifier_rank=None):
+            if rank == 0:
+                for name, p in own:
+                    state[f"{prefix}.{name}" if prefix else name] = p.data.detach().to(
+                        "cpu", copy=True
+                    )
+    if rank == 0:
+        for name, buf in persistent_buffers(engine.module):
+            state[name] = buf.detach().to("cpu", copy=True)
+    return state
+
+
+def _write(path: Path, state: dict[str, torch.Tensor]) -> None:
+    if path.suffix == ".safetensors":
+        writer = SafetensorsWriter(
+            path, [(k, v.dtype, v.shape) for k, v in state.items()], {"format": "pt"}
+        )
+        for k, v in state.items():
+            writer.write(k, v)
+        writer.close()
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_16bit_model(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    save_filename: str = "pytorch_model.bin",
+    *,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """Write ``save_dir/save_filename`` on rank 0 (safetensors when it ends in
+    ``.safetensors``); False, with a warning, at stage 3 without the gather switch."""
+    zero = engine.config.zero_optimization
+    if engine.zero_optimization_stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+        log.warning(
+            "zengine: save_16bit_model did not save: at ZeRO stage 3 it needs "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save: true"
+        )
+        return False
+    sync = Sync(engine.optimizer.group, engine.config.checkpoint.timeout)
+    sync.arrive("save_16bit_model")
+    state = _gathered_state(engine, sync.rank, exclude_frozen_parameters)
+    path = Path(save_dir) / save_filename
+    error = None
+    if sync.rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write(path, state)
+        except OSError as exc:
+            error = f"cannot write {path}: {exc}"
+        log.info("zengine: saved the 16-bit model to %s", path)
+    sync.agree("save_16bit_model", error)
+    return True

@@ -1,0 +1,198 @@
+"""Checkpoints: exact resume at every ZeRO stage, and loading at another world size."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zcomm
+import zengine
+from zcomm.testing import DistributedTest
+
+from ._models import TinyGPT, global_batches
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+LR = 1e-2
+STEPS = 3  # before the save, and again after it
+
+
+def config(stage: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": LR}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16},
+        **extra,
+    }
+
+
+def engine_for(
+    stage: int, seed: int = 0, mpu: Any = None, frozen: bool = False, **extra: Any
+) -> zengine.Engine:
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    model.embed.requires_grad_(not frozen)
+    engine, *_ = zengine.initialize(
+        model=model, model_parameters=model.parameters(), config=config(stage, **extra), mpu=mpu
+    )
+    return engine
+
+
+def train(engine: zengine.Engine, data: list[torch.Tensor]) -> list[float]:
+    """This rank's share of each global batch; the losses averaged over the ranks. A little
+    noise from the global RNG is added to the input, so a resume must restore the RNG too."""
+    rank, world = zcomm.get_rank(), zcomm.get_world_size()
+    losses = []
+    for tokens in data:
+        mine = tokens.view(world, -1, tokens.shape[-1])[rank]
+        mine = (mine + torch.randint(0, 2, mine.shape)) % 32
+        loss = engine(mine)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().reshape(1)
+        zcomm.all_reduce(total, op=zcomm.ReduceOp.AVG)
+        losses.append(total.item())
+    return losses
+
+
+def resume_matches(stage: int, tmp_path: Path, frozen: bool = False, **extra: Any) -> None:
+    world = zcomm.get_world_size()
+    data = global_batches(2 * STEPS, 2 * world)
+    engine = engine_for(stage, frozen=frozen, **extra)
+    train(engine, data[:STEPS])
+    engine.save_checkpoint(tmp_path, client_state={"position": STEPS, "rank": zcomm.get_rank()})
+    straight = train(engine, data[STEPS:])
+    # other initial weights: all must come from the file
+    resumed = engine_for(stage, seed=1, frozen=frozen, **extra)
+    path, client = resumed.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / f"global_step{STEPS}")
+    assert client == {"position": STEPS, "rank": zcomm.get_rank()}
+    assert resumed.global_steps == STEPS
+    assert resumed.micro_steps == STEPS
+    again = train(resumed, data[STEPS:])
+    assert again == straight  # bit-identical, not close
+    assert resumed.get_lr() == engine.get_lr()
+
+
+class TestResume(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+    def test_resume_is_bit_exact(self, stage: int, tmp_path: Path) -> None:
+        resume_matches(stage, tmp_path)
+
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_frozen_parameters_are_saved(self, stage: int, tmp_path: Path) -> None:
+        resume_matches(stage, tmp_path, frozen=True, bf16={"enabled": True})
+
+    def test_readme_example_resumes(self, tmp_path: Path) -> None:
+        code = README.read_text().split("## Checkpoints", 1)[1]
+        block = re.search(r"```python\n(.*?)```", code, re.S)
+        assert block is not None
+        os.chdir(tmp_path)  # the example's "checkpoints" directory, the same for every rank
+
+        def run() -> str:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                exec(compile(block.group(1), str(README), "exec"), {})
+            return out.getvalue()
+
+        assert "at step 20" in run()
+        zcomm.barrier()
+        if zcomm.get_rank() == 0:  # as if the job had died after step 10's checkpoint
+            (tmp_path / "checkpoints" / "latest").write_text("global_step10")
+        zcomm.barrier()
+        assert "at step 20" in run()
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_resume_with_nvme_offload(self, stage: int, tmp_path: Path) -> None:
+        """Masters, optimizer state (and at stage 3 the shards) on NVMe between steps: saved
+        and loaded all the same."""
+        nvme = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+        zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 16}
+        zero["offload_optimizer"] = nvme
+        if stage == 3:
+            zero["offload_param"] = nvme
+        resume_matches(stage, tmp_path / "ckpt", zero_optimization=zero)
+
+    def test_resume_bf16_stage3(self, tmp_path: Path) -> None:
+        resume_matches(3, tmp_path, bf16={"enabled": True})
+
+    def test_resume_fp16_keeps_loss_scale(self, tmp_path: Path) -> None:
+        resume_matches(2, tmp_path, fp16={"enabled": True, "initial_scale_power": 8})
+
+    def test_layout_is_by_name_and_latest_last(self, tmp_path: Path) -> None:
+        engine = engine_for(3)
+        train(engine, global_batches(1, 4))
+        engine.save_checkpoint(tmp_path, tag="first")
+        engine.save_checkpoint(tmp_path, tag="second")
+        assert (tmp_path / "latest").read_text() == "second"
+        manifest = json.loads((tmp_path / "second" / "zengine.json").read_text())
+        assert manifest["world_size"] == 2
+        assert manifest["zero_stage"] == 3
+        assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert not list(tmp_path.glob(".*partial"))
+        path, _ = engine.load_checkpoint(tmp_path, tag="first")
+        assert path == str(tmp_path / "first")
+
+    def test_ranks_save_under_one_tag(self, tmp_path: Path) -> None:
+        engine = engine_for(0)
+        engine.save_checkpoint(tmp_path, tag=f"mine{zcomm.get_rank()}")  # WARN: rank 0's tag
+        assert (tmp_path / "latest").read_text() == "mine0"
+        with pytest.raises(ValueError, match=r"'\.\./x' is not usable as a directory name"):
+            engine.save_checkpoint(tmp_path, tag="../x" if zcomm.get_rank() == 1 else "ok")
+
+
+class _Mpu:
+    """DeepSpeed's model-parallel unit, here only to run an engine on some of the ranks."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def get_data_parallel_group(self) -> Any:
+        return self.group
+
+
+def train_global(
+    engine: zengine.Engine, data: list[torch.Tensor], group: Any = None
+) -> list[float]:
+    """Each global batch split over the ranks of `group`; the global mean losses."""
+    rank, world = zcomm.get_rank(group), zcomm.get_world_size(group)
+    losses = []
+    for tokens in data:
+        loss = engine(tokens.view(world, -1, tokens.shape[-1])[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().reshape(1)
+        zcomm.all_reduce(total, op=zcomm.ReduceOp.AVG, group=group)
+        losses.append(total.item())
+    return losses
+
+
+class TestReshard(DistributedTest):
+    world_size = 4
+
+    def test_zero3_saved_on_4_ranks_loads_on_2_and_1(self, tmp_path: Path) -> None:
+        data = global_batches(STEPS + 2, 8)
+        engine = engine_for(3)
+        train_global(engine, data[:STEPS])
+        engine.save_checkpoint(tmp_path)
+        expected = train_global(engine, data[STEPS:])
+        for size in (2, 1):
+            group = zcomm.new_group(list(range(size)))  # every rank joins its creation
+            if zcomm.get_rank() < size:
+                smaller = engine_for(3, seed=5, mpu=_Mpu(group))
+                smaller.load_checkpoint(tmp_path)
+                assert smaller.global_steps == STEPS
+                losses = train_global(smaller, data[STEPS:], group)
+                torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+            zcomm.barrier()

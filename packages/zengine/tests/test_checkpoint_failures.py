@@ -1,0 +1,189 @@
+"""Checkpoint failures: each is named, and none leaves a bad checkpoint to be loaded as good."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zcomm
+import zengine
+from zcomm.testing import DistributedTest
+from zengine._checkpoint_errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+)
+
+from ._models import TinyGPT, global_batches
+from .test_checkpoint import config, engine_for, train_global
+
+
+def saved(tmp_path: Path, stage: int = 3) -> zengine.Engine:
+    engine = engine_for(stage)
+    train_global(engine, global_batches(2, 2 * zcomm.get_world_size()))
+    engine.save_checkpoint(tmp_path, tag="good")
+    return engine
+
+
+def fingerprint(engine: zengine.Engine) -> list[torch.Tensor]:
+    return [t.clone() for t in engine.optimizer.stepped_tensors()]
+
+
+class TestDamagedCheckpoint(DistributedTest):
+    world_size = 2
+
+    def test_missing_shard_is_named(self, tmp_path: Path) -> None:
+        saved(tmp_path)
+        zcomm.barrier()
+        if zcomm.get_rank() == 0:
+            (tmp_path / "good" / "__1_0.distcp").unlink()
+        zcomm.barrier()
+        with pytest.raises(
+            CorruptCheckpointError, match=r"__1_0\.distcp is missing \(written by rank 1\)"
+        ):
+            engine_for(3).load_checkpoint(tmp_path)
+
+    def test_corrupt_shard_is_named(self, tmp_path: Path) -> None:
+        saved(tmp_path)
+        zcomm.barrier()
+        if zcomm.get_rank() == 0:
+            shard = tmp_path / "good" / "__0_0.distcp"
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF  # one bit pattern in the middle of a tensor
+            shard.write_bytes(bytes(data))
+        zcomm.barrier()
+        with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp is corrupt: CRC32"):
+            engine_for(3).load_checkpoint(tmp_path)
+
+    def test_interrupted_save_is_not_loaded(self, tmp_path: Path) -> None:
+        saved(tmp_path)
+        zcomm.barrier()
+        if zcomm.get_rank() == 0:  # what a save killed before its manifest leaves behind
+            (tmp_path / "good" / "zengine.json").unlink()
+        zcomm.barrier()
+        with pytest.raises(CorruptCheckpointError, match=r"incomplete: zengine\.json is missing"):
+            engine_for(3).load_checkpoint(tmp_path)
+
+    def test_other_model_names_what_differs(self, tmp_path: Path) -> None:
+        saved(tmp_path)
+        torch.manual_seed(0)
+        model = TinyGPT(blocks=3)
+        engine, *_ = zengine.initialize(
+            model=model, model_parameters=model.parameters(), config=config(3)
+        )
+        with pytest.raises(CheckpointMismatchError, match=r"not in the checkpoint: blocks\.2\."):
+            engine.load_checkpoint(tmp_path)
+
+    def test_other_optimizer_names_what_differs(self, tmp_path: Path) -> None:
+        saved(tmp_path)
+        cfg = config(3)
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+        torch.manual_seed(0)
+        model = TinyGPT()
+        engine, *_ = zengine.initialize(
+            model=model, model_parameters=model.parameters(), config=cfg
+        )
+        with pytest.raises(
+            CheckpointMismatchError, match="optimizer: AdamW in the checkpoint, SGD now"
+        ):
+            engine.load_checkpoint(tmp_path)
+        engine.load_checkpoint(tmp_path, load_optimizer_states=False)  # the weights alone load
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """A real write error: files of this process may not grow past `limit` bytes, so a write
+    beyond it fails with EFBIG ("File too large"), as a full disk fails with ENOSPC."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error, not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+class TestFailedSave(DistributedTest):
+    world_size = 2
+
+    def test_write_error_keeps_the_previous_checkpoint(self, tmp_path: Path) -> None:
+        engine = saved(tmp_path)
+        good = fingerprint(engine)
+        train_global(engine, global_batches(1, 4))
+        limit = file_size_limit(4096) if zcomm.get_rank() == 1 else contextlib.nullcontext()
+        with limit, pytest.raises(CheckpointError) as failure:
+            engine.save_checkpoint(tmp_path, tag="next")
+        message = str(failure.value)
+        assert "failed on rank 1" in message, message
+        assert "File too large" in message, message
+        assert (tmp_path / "latest").read_text() == "good"
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == ["good", "latest"], left
+        restored = engine_for(3, seed=3)
+        restored.load_checkpoint(tmp_path)
+        for a, b in zip(fingerprint(restored), good, strict=True):
+            assert torch.equal(a, b)
+
+    def test_a_rank_that_never_comes_is_named(self, tmp_path: Path) -> None:
+        engine = engine_for(3, checkpoint={"timeout": 1.0})
+        if zcomm.get_rank() == 1:
+            time.sleep(2.5)  # rank 1 "hangs" elsewhere and never calls save_checkpoint
+            return
+        with pytest.raises(zcomm.CommTimeoutError) as failure:
+            engine.save_checkpoint(tmp_path)
+        message = str(failure.value)
+        assert "save_checkpoint" in message, message
+        assert "Ranks 1 failed" in message, message
+        assert not (tmp_path / "latest").exists()
+
+
+class TestNonFiniteLoss(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+    def test_inf_loss_skips_the_step(self, precision: str) -> None:
+        fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+        extra: dict[str, Any] = {"fp16": fp16} if precision == "fp16" else {}
+        if precision == "bf16":
+            extra = {"bf16": {"enabled": True}}
+        engine = engine_for(2, **extra)
+        train_global(engine, global_batches(1, 4))
+        before = fingerprint(engine)
+        scale = engine.optimizer.cur_scale
+        loss = engine(global_batches(1, 2)[0]) * float("inf")
+        engine.backward(loss)
+        engine.step()
+        assert engine.optimizer.skipped_steps == 1
+        for a, b in zip(fingerprint(engine), before, strict=True):
+            assert torch.equal(a, b)  # nothing non-finite reached the masters
+        if precision == "fp16":
+            assert engine.optimizer.cur_scale == scale / 2  # skip and rescale
+        losses = train_global(engine, global_batches(2, 4))
+        assert all(torch.isfinite(torch.tensor(losses)))
+
+    @pytest.mark.parametrize("precision", ["bf16", "fp32"])
+    def test_inf_loss_raises_when_asked(self, precision: str) -> None:
+        extra: dict[str, Any] = {"nonfinite_gradients": "raise"}
+        if precision == "bf16":
+            extra["bf16"] = {"enabled": True}
+        engine = engine_for(2, **extra)
+        train_global(engine, global_batches(1, 4))
+        before = fingerprint(engine)
+        # only rank 1's loss is infinite: every rank must raise all the same
+        factor = float("inf") if zcomm.get_rank() == 1 else 1.0
+        engine.backward(engine(global_batches(1, 2)[0]) * factor)
+        with pytest.raises(FloatingPointError, match=r"inf or NaN.*nonfinite_gradients"):
+            engine.step()
+        for a, b in zip(fingerprint(engine), before, strict=True):
+            assert torch.equal(a, b)
+        losses = train_global(engine, global_batches(2, 4))  # and training can go on
+        assert all(torch.isfinite(torch.tensor(losses)))
