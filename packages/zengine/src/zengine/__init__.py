@@ -5,8 +5,13 @@
 ``GatheredParameters``; ``zengine.utils`` the ``safe_get_*`` functions.
 """
 
-from zengine import utils, zero
+from zengine import pipe, utils, zero
 from zengine.__about__ import __version__
+from zengine._checkpoint_errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+)
 from zengine._config import ConfigError, EngineConfig, load_config
 from zengine._engine import Engine
 from zengine._estimate import (
@@ -37,7 +42,10 @@ from zengine.utils import (
 )
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
     "ConfigError",
+    "CorruptCheckpointError",
     "DynamicLossScaler",
     "Engine",
     "EngineConfig",
@@ -56,6 +64,7 @@ __all__ = [
     "get_state_devices",
     "initialize",
     "load_config",
+    "pipe",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",

@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import AliasChoices, Field, ValidationError
@@ -23,6 +23,7 @@ from zengine._config_sections import (
     DataType,
     FP16Config,
     OptimizerConfig,
+    PipelineConfig,
     SchedulerConfig,
     ZeroConfig,
     _Section,
@@ -57,6 +58,8 @@ class _Sections(_Section):
     )
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """The pipeline engine's stages and schedule (a ``zengine.pipe.PipelineModule`` model)."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step separately."""
     gradient_accumulation_dtype: DataType | None = None
@@ -67,6 +70,10 @@ class _Sections(_Section):
     """Seed the random generators with this, if given."""
     zero_allow_untested_optimizer: bool = False
     """Allow ZeRO with an optimizer the caller built (DeepSpeed refuses one by default)."""
+    nonfinite_gradients: Literal["skip", "raise"] = "skip"
+    """With bf16 or fp32, what a step does when a gradient holds an inf or NaN: skip it (the
+    masters stay as they were; DeepSpeed's behaviour) or raise an error on every rank. With fp16
+    such a step is always skipped and the loss scale lowered."""
 
 
 class _GivenConfig(_Sections):

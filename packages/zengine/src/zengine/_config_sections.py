@@ -35,6 +35,7 @@ __all__ = [
     "OffloadParamConfig",
     "OptimizerConfig",
     "ParallelWriteConfig",
+    "PipelineConfig",
     "SchedulerConfig",
     "ZeroConfig",
 ]
@@ -262,6 +263,51 @@ class ZeroConfig(_Section):
         return data
 
 
+PIPE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
+
+
+class PipelineConfig(_Section):
+    """``pipeline``: DeepSpeed's pipeline keys, and which zpipe schedule the engine runs.
+
+    Used only when the model is a ``zengine.pipe.PipelineModule``.
+    """
+
+    stages: int | Literal["auto"] = "auto"
+    """Pipeline stages; ``auto``: the PipelineModule's. A number must equal the module's."""
+    partition: str = "best"
+    """Accepted for DeepSpeed compatibility; the PipelineModule's ``partition_method`` rules."""
+    seed_layers: bool = False
+    """Accepted for DeepSpeed compatibility; the PipelineModule's ``seed_layers`` rules."""
+    activation_checkpoint_interval: int = Field(default=0, ge=0)
+    """Checkpoint every this many layers; 0 keeps the PipelineModule's own interval."""
+    pipe_partitioned: bool = True
+    """Accepted for DeepSpeed compatibility (tensor slicing of activations)."""
+    grad_partitioned: bool = True
+    """Accepted for DeepSpeed compatibility (tensor slicing of gradients)."""
+    schedule: Literal["1f1b", "gpipe", "interleaved", "zero_bubble"] = "1f1b"
+    """The zpipe schedule of ``train_batch``: 1F1B (DeepSpeed's), GPipe, interleaved 1F1B or
+    ZB-H1 (matched case-insensitively)."""
+    chunks: int | None = Field(default=None, ge=1)
+    """Model chunks per stage (interleaved); None: the PipelineModule's ``chunks``."""
+    p2p_timeout: float = Field(default=300.0, gt=0, allow_inf_nan=False)
+    """Seconds a stage waits for a message from its neighbour before it raises an error
+    naming the stage and the instruction."""
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _positive_stages(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise config_error(f"must be 'auto' or at least 1, got {show(value)}")
+        return value
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _canonical_schedule(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.replace("-", "_")
+        return _choose(value, PIPE_SCHEDULES, "pipeline schedule")
+
+
 class ParallelWriteConfig(_Section):
     """``checkpoint.parallel_write``."""
 
@@ -279,6 +325,9 @@ class CheckpointConfig(_Section):
     use_node_local_storage: bool = False
     """Each node saves to its own local storage."""
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Seconds a rank waits for the others to join a checkpoint save or load before it raises
+    an error naming the missing ranks (gloo); None: the process group's timeout."""
 
     @field_validator("tag_validation", mode="before")
     @classmethod

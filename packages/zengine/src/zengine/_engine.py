@@ -216,6 +216,51 @@ class Engine(nn.Module):
         """Bring back what `offload_states` moved, into the same tensors."""
         self._offloaded.reload(non_blocking=non_blocking)
 
+    # -- checkpoints (_checkpoint.py, _save_16bit.py) ----------------------------------------
+    # Imported when first used: torch.distributed.checkpoint takes about a second to import.
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> bool:
+        """Save model, masters, optimizer, scheduler, loss scale, counters, RNG states and
+        `client_state` under ``save_dir/tag``, then point ``save_dir/latest`` at it. Collective."""
+        from zengine import _checkpoint
+
+        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load ``load_dir/tag`` (default: the one ``latest`` names), saved at any world size;
+        ``(path, client_state)``, or ``(None, None)`` when there is none. Collective."""
+        from zengine import _checkpoint
+
+        return _checkpoint.load_checkpoint(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
+        )
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Rank 0 writes the whole model's state dict in the compute dtype (at stage 3 only with
+        ``stage3_gather_16bit_weights_on_model_save``; False otherwise). Collective."""
+        from zengine import _save_16bit
+
+        return _save_16bit.save_16bit_model(
+            self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters
+        )
+
     def destroy(self) -> None:
         """Take the hooks off and drop the optimizer's buffers (DeepSpeed's ``destroy``)."""
         if self.partitioned is not None:

@@ -66,6 +66,18 @@ def initialize(
         config = config_params if config_params is not None else _config_from_args(args)
     if dist_init_required is not False:
         zcomm.init_distributed()
+    from zengine.pipe import PipelineModule, initialize_pipeline  # the sub-package builds on this
+
+    if isinstance(model, PipelineModule):
+        return initialize_pipeline(
+            model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            collate_fn=collate_fn,
+            config=config,
+        )
     group = mpu.get_data_parallel_group() if mpu is not None else None
     cfg = load_config(config, world_size=dist.get_world_size(group))
     device = torch.device(zcomm.get_accelerator().current_device_name())
@@ -88,6 +100,7 @@ def initialize(
         group=group,
         loss_scaler=loss_scaler,
         clip=float(cfg.gradient_clipping),
+        nonfinite=cfg.nonfinite_gradients,
     )
     _swap_to_nvme(zero, cfg)
     for g in groups:

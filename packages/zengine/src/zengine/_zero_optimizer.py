@@ -61,6 +61,7 @@ class ZeroOptimizer:
         group: dist.ProcessGroup | None,
         loss_scaler: LossScaler | None,
         clip: float,
+        nonfinite: str = "skip",
     ) -> None:
         self.stage = stage
         self.layout = layout
@@ -68,6 +69,7 @@ class ZeroOptimizer:
         self.group = group  # the data-parallel group: norms and overflow agree across it
         self.loss_scaler = loss_scaler  # None without fp16
         self.clip = clip
+        self.nonfinite = nonfinite  # without fp16: "skip" or "raise" on an inf or NaN gradient
         groups = []
         self._stepped: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its gradient)
         parts = self.partitions
@@ -150,6 +152,13 @@ class ZeroOptimizer:
         norm_sq, overflow = self._norm_and_overflow(grads)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
+        if overflow and self.loss_scaler is None and self.nonfinite == "raise":
+            self.zero_grad()
+            raise FloatingPointError(
+                "zengine: a gradient holds an inf or NaN (the global gradient norm is not "
+                "finite, on some rank); the step was not taken and the gradients are zeroed "
+                "(config nonfinite_gradients is 'raise'; 'skip' would skip the step)"
+            )
         if overflow:
             self.skipped_steps += 1
             self.global_grad_norm = None
