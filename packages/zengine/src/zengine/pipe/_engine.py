@@ -9,6 +9,7 @@ stage steps its own parameters.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ import zcomm
 import zpipe
 from zengine._engine import Engine
 from zengine.pipe._agreement import check_agreement
+from zengine.pipe._checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
 from zengine.pipe._eager import EagerSends
 from zengine.pipe._errors import PipelineError
 from zengine.pipe._link import Link
@@ -115,6 +117,31 @@ class PipelineEngine(Engine):
         #: set to a dict to record each computation's seconds by kind: "F" (forward), "B"
         #: (backward), "I" and "W" (the halves of a split backward); None records nothing
         self.compute_times: dict[str, list[float]] | None = None
+
+    # -- checkpoints: one per stage, one 'latest' (pipe/_checkpoint.py) -------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> bool:
+        """Every stage saves its layers under ``save_dir/stage<s>/<tag>``; ``save_dir/latest``
+        is written once all stages succeeded. Every rank must call it."""
+        return save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Every stage loads its part of ``load_dir``'s checkpoint (``latest`` by default)."""
+        return load_pipeline_checkpoint(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
+        )
 
     # -- DeepSpeed's pipeline accessors --------------------------------------------------------
 
