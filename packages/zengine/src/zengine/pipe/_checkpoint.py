@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 import zcomm
-from zengine import _checkpoint
 from zengine import _checkpoint_files as files
 from zengine._checkpoint_errors import CheckpointError
 
@@ -45,6 +44,8 @@ def save_pipeline_checkpoint(
     client_state: dict[str, Any] | None,
     save_latest: bool,
 ) -> bool:
+    from zengine import _checkpoint  # torch.distributed.checkpoint: a second to import
+
     root = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     error: BaseException | None = None
@@ -75,6 +76,8 @@ def load_pipeline_checkpoint(
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
 ) -> tuple[str | None, dict[str, Any] | None]:
+    from zengine import _checkpoint  # torch.distributed.checkpoint: a second to import
+
     root = Path(load_dir)
     if tag is None:
         tag = files.read_latest(root)
