@@ -26,7 +26,7 @@ from zengine.pipe._eager import EagerSends
 from zengine.pipe._partition import partition_layers
 from zengine.pipe._split import SplitBackward
 
-from ._models import HIDDEN, SEQ, VOCAB, Block
+from ._models import HIDDEN, SEQ, VOCAB, Block, plain_losses
 
 LR = 1e-2
 BASE_SEED = 1234
@@ -107,17 +107,19 @@ def reference_losses(
 ) -> tuple[list[float], Reference]:
     """What DeepSpeed's "Adam" (AdamW, weight decay 0.01) does in one process."""
     model = Reference(blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for tokens in data:
-        loss = loss_fn(model(tokens), labels_of(tokens))
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model
+    return plain_losses(_WithLoss(model), data, lr=LR, clip=clip), model
+
+
+class _WithLoss(nn.Module):
+    """The reference model and the pipeline's loss in one module, as `plain_losses` takes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = loss_fn(self.model(tokens), labels_of(tokens))
+        return loss
 
 
 def initialize(module: PipelineModule, cfg: dict[str, Any]) -> PipelineEngine:

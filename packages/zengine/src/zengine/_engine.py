@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -71,6 +71,28 @@ def _host_trimmer(above: int = _TRIM_ABOVE) -> Callable[[], None]:
             trim(0)
 
     return run
+
+
+class Checkpoints(Protocol):
+    """A module that saves and loads an engine's checkpoints (`zengine._checkpoint`)."""
+
+    def save_checkpoint(
+        self,
+        engine: Any,
+        save_dir: str | os.PathLike[str],
+        tag: str | None,
+        client_state: dict[str, Any] | None,
+        save_latest: bool,
+    ) -> bool: ...
+
+    def load_checkpoint(
+        self,
+        engine: Any,
+        load_dir: str | os.PathLike[str],
+        tag: str | None,
+        load_optimizer_states: bool,
+        load_lr_scheduler_states: bool,
+    ) -> tuple[str | None, dict[str, Any] | None]: ...
 
 
 class Engine(nn.Module):
@@ -219,6 +241,12 @@ class Engine(nn.Module):
     # -- checkpoints (_checkpoint.py, _save_16bit.py) ----------------------------------------
     # Imported when first used: torch.distributed.checkpoint takes about a second to import.
 
+    def _checkpoints(self) -> Checkpoints:
+        """What saves and loads this engine's checkpoints (the pipeline engine has its own)."""
+        from zengine import _checkpoint
+
+        return _checkpoint
+
     def save_checkpoint(
         self,
         save_dir: str | os.PathLike[str],
@@ -228,9 +256,7 @@ class Engine(nn.Module):
     ) -> bool:
         """Save model, masters, optimizer, scheduler, loss scale, counters, RNG states and
         `client_state` under ``save_dir/tag``, then point ``save_dir/latest`` at it. Collective."""
-        from zengine import _checkpoint
-
-        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return self._checkpoints().save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(
         self,
@@ -241,9 +267,7 @@ class Engine(nn.Module):
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load ``load_dir/tag`` (default: the one ``latest`` names), saved at any world size;
         ``(path, client_state)``, or ``(None, None)`` when there is none. Collective."""
-        from zengine import _checkpoint
-
-        return _checkpoint.load_checkpoint(
+        return self._checkpoints().load_checkpoint(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
         )
 

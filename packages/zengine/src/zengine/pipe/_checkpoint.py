@@ -20,7 +20,7 @@ import zcomm
 from zengine import _checkpoint_files as files
 from zengine._checkpoint_errors import CheckpointError
 
-__all__ = ["load_pipeline_checkpoint", "save_pipeline_checkpoint"]
+__all__ = ["load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger("zengine")
 
@@ -37,7 +37,7 @@ def _failed_stages(engine: Any, failed: bool) -> list[int]:
     return sorted({int(f) - 1 for f in flags.tolist() if f})
 
 
-def save_pipeline_checkpoint(
+def save_checkpoint(
     engine: Any,
     save_dir: str | os.PathLike[str],
     tag: str | None,
@@ -69,7 +69,7 @@ def save_pipeline_checkpoint(
     return True
 
 
-def load_pipeline_checkpoint(
+def load_checkpoint(
     engine: Any,
     load_dir: str | os.PathLike[str],
     tag: str | None,

@@ -9,7 +9,6 @@ stage steps its own parameters.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -19,9 +18,8 @@ from torch import nn
 
 import zcomm
 import zpipe
-from zengine._engine import Engine
+from zengine._engine import Checkpoints, Engine
 from zengine.pipe._agreement import check_agreement
-from zengine.pipe._checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
 from zengine.pipe._eager import EagerSends
 from zengine.pipe._errors import PipelineError
 from zengine.pipe._link import Link
@@ -118,30 +116,11 @@ class PipelineEngine(Engine):
         #: (backward), "I" and "W" (the halves of a split backward); None records nothing
         self.compute_times: dict[str, list[float]] | None = None
 
-    # -- checkpoints: one per stage, one 'latest' (pipe/_checkpoint.py) -------------------------
+    def _checkpoints(self) -> Checkpoints:
+        """One checkpoint per stage under one 'latest' (pipe/_checkpoint.py)."""
+        from zengine.pipe import _checkpoint
 
-    def save_checkpoint(
-        self,
-        save_dir: str | os.PathLike[str],
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-    ) -> bool:
-        """Every stage saves its layers under ``save_dir/stage<s>/<tag>``; ``save_dir/latest``
-        is written once all stages succeeded. Every rank must call it."""
-        return save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(
-        self,
-        load_dir: str | os.PathLike[str],
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Every stage loads its part of ``load_dir``'s checkpoint (``latest`` by default)."""
-        return load_pipeline_checkpoint(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
-        )
+        return _checkpoint
 
     # -- DeepSpeed's pipeline accessors --------------------------------------------------------
 
