@@ -168,8 +168,9 @@ class Engine(nn.Module):
                 "engine.backward(loss): loss must be a tensor of one element, got "
                 f"{type(loss).__name__}{shape}"
             )
+        boundary = self.is_gradient_accumulation_boundary()
         with self.progress.timed("backward"):
-            if self.is_gradient_accumulation_boundary():
+            if boundary:
                 self.optimizer.prefetch_states()  # NVMe offload: read while backward runs
             self.optimizer.layout.before_backward()
             scaled = loss.float()
@@ -178,7 +179,7 @@ class Engine(nn.Module):
             if self.optimizer.loss_scaler is not None:
                 scaled = scaled * self.optimizer.cur_scale
             scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
-            self.optimizer.layout.after_backward(self.is_gradient_accumulation_boundary())
+            self.optimizer.layout.after_backward(boundary)
         self.progress.record_loss(loss)
         return loss
 

@@ -87,7 +87,7 @@ def initialize(
     offload = _offload_masters(cfg)
     layout: FlatLayout | ShardedLayout
     if cfg.zero_stage == 3:
-        handle, layout = _stage3(model, groups, cfg, group, device)
+        handle, layout = _stage3(model, groups, cfg, group, device, offload)
     else:
         handle = None
         _prepare_dense(model, cfg, group, device)
@@ -191,6 +191,7 @@ def _stage3(
     cfg: EngineConfig,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    offload: dict[str, Any],
 ) -> tuple[zpartition.Partitioned, ShardedLayout]:
     """Stage 3: partition what is not yet (cast to the compute dtype), then hook the model."""
     for p in zpartition_params(model):
@@ -212,9 +213,7 @@ def _stage3(
     knobs = dataclasses.replace(cfg.zero_param_config(), persistent_grad_buckets=keep)
     handle = zpartition.partition(model, config=knobs, group=group, shard_device=shard_device)
     grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]
-    layout = ShardedLayout(
-        groups, group=group, device=device, grad_dtype=grad_dtype, **_offload_masters(cfg)
-    )
+    layout = ShardedLayout(groups, group=group, device=device, grad_dtype=grad_dtype, **offload)
     _shards_to_nvme(handle, layout, cfg)
     handle.set_gradient_sink(layout.sink)
     return handle, layout

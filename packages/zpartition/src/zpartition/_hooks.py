@@ -294,7 +294,7 @@ class State:
     def _kept_rows(self, dtype: torch.dtype, width: int) -> torch.Tensor | None:
         """The persistent bucket of `dtype` (None without persistent_grad_buckets). One per
         dtype: a bucket still being reduce-scattered from it is finished first."""
-        if not self.coordinator.config.persistent_grad_buckets:
+        if not self.kept_buckets:
             return None
         if dtype in self.buffers_busy:
             self._finish_reductions()

@@ -22,7 +22,7 @@ from zpartition._param import ZeroParameter, convert_parameter, next_module_id, 
 from zpartition._reduce import GradientSink
 from zpartition._status import ZeroParamStatus
 from zpartition._store import ShardStore
-from zpartition._unit import Unit
+from zpartition._unit import Unit, fetch_shards
 
 __all__ = ["Partitioned", "convert_module", "partition"]
 
@@ -152,11 +152,7 @@ class Partitioned:
 
     def fetch_shards(self) -> None:
         """Every shard in memory (to write them all, as an optimizer step does)."""
-        stored = [u for u in self.units if u.store is not None]
-        if stored:
-            store = stored[0].store
-            assert store is not None
-            store.fetch([u.shard for u in stored])
+        fetch_shards(self.units)
 
     def evict_shards(self) -> None:
         """The shards of released units back to their store (after `fetch_shards`)."""

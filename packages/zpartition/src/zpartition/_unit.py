@@ -28,7 +28,7 @@ from zpartition._status import ZeroParamStatus
 from zpartition._stepped import watch
 from zpartition._store import ShardStore
 
-__all__ = ["Unit", "issue_gathers"]
+__all__ = ["Unit", "fetch_shards", "issue_gathers"]
 
 _ALIGN = 16  # bytes; every parameter's chunk starts aligned for any dtype's view
 _AVAILABLE, _NOT_AVAILABLE, _INFLIGHT = (
@@ -76,14 +76,19 @@ class _Gather:
         return self._gathered.view(self._ranks, -1)
 
 
-def issue_gathers(units: Sequence[Unit]) -> None:
-    """Start the all-gather of `units` (agreed with the other ranks first) as one collective:
-    a prefetch bucket of many small modules costs one collective's latency, not one each."""
+def fetch_shards(units: Sequence[Unit]) -> None:
+    """Bring back the shards of `units` that a `ShardStore` keeps (one store per model)."""
     stored = [u for u in units if u.store is not None]
     if stored:
         store = stored[0].store
         assert store is not None
-        store.fetch([u.shard for u in stored])  # offloaded shards come back first
+        store.fetch([u.shard for u in stored])
+
+
+def issue_gathers(units: Sequence[Unit]) -> None:
+    """Start the all-gather of `units` (agreed with the other ranks first) as one collective:
+    a prefetch bucket of many small modules costs one collective's latency, not one each."""
+    fetch_shards(units)  # offloaded shards come back first
     remote = []
     for u in units:
         u.channel.count_live(0 if u.persistent else u.numel)

@@ -31,8 +31,9 @@ def _stage_dir(root: Path, stage: int) -> Path:
 
 def _failed_stages(engine: Any, failed: bool) -> list[int]:
     """Every stage that failed, as every rank sees it (one all-gather over the world)."""
-    flags = torch.zeros(zcomm.get_world_size(), dtype=torch.int64)
-    mine = torch.tensor([engine.stage_id + 1 if failed else 0], dtype=torch.int64)
+    # on the engine's device: NCCL gathers only device tensors
+    flags = torch.zeros(zcomm.get_world_size(), dtype=torch.int64, device=engine.device)
+    mine = torch.tensor([engine.stage_id + 1 if failed else 0], device=engine.device)
     zcomm.all_gather_into_tensor(flags, mine)
     return sorted({int(f) - 1 for f in flags.tolist() if f})
 
