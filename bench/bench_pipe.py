@@ -175,7 +175,7 @@ def _message_seconds(stage: int) -> float:
                 [(x.dtype, tuple(x.shape))], frm=1, micro_batch=i, source=1, where="ping"
             )
         elif stage == 1:
-            got = link.recv_activation(frm=0, micro_batch=i, source=0, where="ping")
+            (got,), _ = link.recv_activation(frm=0, micro_batch=i, source=0, where="ping")
             link.send_grads([got], to=0, micro_batch=i, source=1)
         link.drain()
         times.append((time.perf_counter() - start) / 2)

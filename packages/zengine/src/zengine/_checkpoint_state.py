@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -97,9 +97,18 @@ def model_entries(engine: Any) -> dict[str, Piece]:
     return entries
 
 
-def _param_states(engine: Any) -> Iterator[tuple[str, torch.Tensor, int, int, int, dict[Any, Any]]]:
-    """Per trainable parameter: name, the tensor the optimizer steps for it, the piece's offset
-    in that tensor, its offset in the parameter, its length, and the optimizer's state dict."""
+class _ParamState(NamedTuple):
+    name: str
+    stepped: torch.Tensor  # the tensor the optimizer steps for the parameter
+    offset: int  # the piece's offset in `stepped`
+    param_offset: int  # the piece's offset in the flattened parameter
+    valid: int  # the piece's length (padding left out)
+    size: int  # the parameter's full element count
+    state: dict[Any, Any]  # the optimizer's state of `stepped`
+
+
+def _param_states(engine: Any) -> Iterator[_ParamState]:
+    """This rank's piece of every trainable parameter, with its optimizer state."""
     parts = engine.optimizer.partitions
     state = engine.optimizer.optimizer.state
     for name, p in engine.module.named_parameters():
@@ -110,18 +119,19 @@ def _param_states(engine: Any) -> Iterator[tuple[str, torch.Tensor, int, int, in
         frag = parts.fragments[id(p)]
         size = full_numel(p)
         valid = _valid(frag.numel, frag.param_offset, size)
-        yield name, stepped, offset, min(frag.param_offset, size), valid, state[stepped]
+        param_offset = min(frag.param_offset, size)
+        yield _ParamState(name, stepped, offset, param_offset, valid, size, state[stepped])
 
 
 def optimizer_entries(engine: Any) -> dict[str, Any]:
     """This rank's optimizer state by parameter name (views of the live state)."""
     entries: dict[str, Any] = {}
-    for name, stepped, offset, param_offset, valid, st in _param_states(engine):
-        size = full_numel(_param(engine, name))
-        for k, v in st.items():
-            key = f"optim/{name}/{k}"
-            if isinstance(v, torch.Tensor) and v.shape == stepped.shape:
-                entries[key] = Piece(v[offset : offset + valid], param_offset, size)
+    for ps in _param_states(engine):
+        for k, v in ps.state.items():
+            key = f"optim/{ps.name}/{k}"
+            if isinstance(v, torch.Tensor) and v.shape == ps.stepped.shape:
+                piece = v[ps.offset : ps.offset + ps.valid]
+                entries[key] = Piece(piece, ps.param_offset, ps.size)
             else:
                 entries[key] = v  # a 0-d tensor or a number, the same on every rank
     entries[PARAM_GROUPS] = [
@@ -130,26 +140,21 @@ def optimizer_entries(engine: Any) -> dict[str, Any]:
     return entries
 
 
-def _param(engine: Any, name: str) -> torch.Tensor:
-    return engine.module.get_parameter(name)  # type: ignore[no-any-return]
-
-
 def optimizer_destinations(engine: Any, metadata: Metadata) -> dict[str, Any]:
     """Where the checkpoint's optimizer state goes: the live state, created where the
     optimizer has not stepped yet (a fresh engine), shaped as the checkpoint says."""
     stored = metadata.state_dict_metadata
-    for name, stepped, _, _, _, st in _param_states(engine):
-        prefix = f"optim/{name}/"
-        size = full_numel(_param(engine, name))
+    for ps in _param_states(engine):
+        prefix, st = f"optim/{ps.name}/", ps.state
         for key in (k for k in stored if k.startswith(prefix)):
             k, md = key[len(prefix) :], stored[key]
             if k in st or not isinstance(md, TensorStorageMetadata):
                 continue
             dtype = md.properties.dtype
-            if tuple(md.size) == (size,):
-                st[k] = torch.zeros_like(stepped, dtype=dtype)
+            if tuple(md.size) == (ps.size,):
+                st[k] = torch.zeros_like(ps.stepped, dtype=dtype)
             else:
-                st[k] = torch.zeros(tuple(md.size), dtype=dtype, device=stepped.device)
+                st[k] = torch.zeros(tuple(md.size), dtype=dtype, device=ps.stepped.device)
     return {k: v for k, v in optimizer_entries(engine).items() if k in stored}
 
 
@@ -157,11 +162,11 @@ def apply_optimizer_objects(engine: Any, loaded: dict[str, Any]) -> None:
     """Put back what DCP loaded as objects (group options, non-tensor state)."""
     for g, options in zip(engine.optimizer.param_groups, loaded[PARAM_GROUPS], strict=True):
         g.update({k: v for k, v in options.items() if k != "params"})
-    for name, _, _, _, _, st in _param_states(engine):
-        for k in list(st):
-            value = loaded.get(f"optim/{name}/{k}")
+    for ps in _param_states(engine):
+        for k in list(ps.state):
+            value = loaded.get(f"optim/{ps.name}/{k}")
             if value is not None and not isinstance(value, (torch.Tensor, Piece)):
-                st[k] = value
+                ps.state[k] = value
 
 
 def engine_state(engine: Any) -> dict[str, Any]:

@@ -36,7 +36,7 @@ _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 def write_tensor(f: BinaryIO, tensor: torch.Tensor) -> None:

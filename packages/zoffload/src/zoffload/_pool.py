@@ -124,8 +124,8 @@ class HostRegion:
     def release(self, fence: Fence | None = None) -> None:
         """Give the bytes back; reuse waits for ``fence`` (a copy still reading them)."""
         block, self._block = self._block, None
-        self.tensor = block.tensor[:0] if block is not None else self.tensor
         if block is not None:
+            self.tensor = block.tensor[:0]
             self._pool._give(block, self.offset, self.nbytes, fence)
 
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
 import zcomm
 import zpipe
+from zengine._checkpoint_sync import Sync  # its all-gather of any picklable value
 from zengine.pipe._errors import PipelineError
 
 __all__ = ["check_agreement"]
-
-_WIDTH = 512  # bytes per stage's line
 
 
 def _name(schedule: zpipe.PipeSchedule) -> str:
@@ -39,15 +37,6 @@ def _line(schedule: zpipe.PipeSchedule) -> str:
     return f"{_name(schedule)} {digest}"
 
 
-def _gather(line: str, group: dist.ProcessGroup, size: int, device: torch.device) -> list[str]:
-    data = line.encode()[:_WIDTH].ljust(_WIDTH, b"\0")
-    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    every = torch.empty(size * _WIDTH, dtype=torch.uint8, device=device)
-    zcomm.all_gather_into_tensor(every, mine, group=group)
-    rows = every.view(size, _WIDTH)
-    return [bytes(row.tolist()).rstrip(b"\0").decode() for row in rows.cpu()]
-
-
 def _first_difference(theirs: list[list[str]], ours: list[list[str]]) -> str:
     for step, (a, b) in enumerate(zip(theirs, ours, strict=False)):
         if a != b:
@@ -60,14 +49,13 @@ def check_agreement(
     build: Callable[[type[zpipe.PipeSchedule], int], zpipe.PipeSchedule],
     *,
     group: dist.ProcessGroup,
-    device: torch.device,
 ) -> None:
     """Raise `PipelineError` on every stage when the stages' schedules differ. `build(cls,
     stage)` makes a stage's schedule as this rank configures it."""
     size = zcomm.get_world_size(group)
     if size == 1:
         return
-    lines = _gather(_line(schedule), group, size, device)
+    lines: list[str] = Sync(group, None).gather(_line(schedule))
     mine = schedule.stage_id
     for stage, line in enumerate(lines):
         ours = build(type(schedule), stage)

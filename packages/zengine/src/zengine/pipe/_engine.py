@@ -217,7 +217,7 @@ class PipelineEngine(Engine):
                 stage=self.stage_id,
             )
         group = self.grid.get_pipe_parallel_group()
-        check_agreement(schedule, self._make, group=group, device=self.device)
+        check_agreement(schedule, self._make, group=group)
         if self.eager_sends:
             kwargs = {"chunks": self.chunks} if self.chunks > 1 else {}
             schedule = EagerSends(

@@ -33,7 +33,7 @@ import torch
 
 import zcomm
 from zengine.pipe._errors import PipelineError
-from zengine.pipe._payload import Meta, flatten, unflatten
+from zengine.pipe._payload import Meta, flatten
 
 __all__ = ["Link", "frame_size"]
 
@@ -152,10 +152,13 @@ class Link:
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def recv_activation(self, *, frm: int, micro_batch: int, source: int, where: str) -> Any:
-        """The forward output virtual stage `source` (on stage `frm`) sends this stage."""
+    def recv_activation(
+        self, *, frm: int, micro_batch: int, source: int, where: str
+    ) -> tuple[list[torch.Tensor], Meta]:
+        """The forward output virtual stage `source` (on stage `frm`) sends this stage, taken
+        apart (detached tensors and the meta): the receiver rebuilds it once, from its own."""
         if frm == self.stage:
-            return self._pop(ACTIVATION, source, where)
+            return flatten(self._pop(ACTIVATION, source, where))
         meta = self.recv_meta.get(source)
         frame = self._recv(frm, frame_size(meta.tensor_slots() if meta else []), where)
         size = self._check(frame, frm, (META, ACTIVATION), micro_batch, source, where)
@@ -171,7 +174,7 @@ class Link:
                 stage=self.stage,
                 instruction=where,
             )
-        return unflatten(self._unpack(frame, meta.tensor_slots()), meta)
+        return self._unpack(frame, meta.tensor_slots()), meta
 
     def recv_grads(
         self, slots: Slots, *, frm: int, micro_batch: int, source: int, where: str

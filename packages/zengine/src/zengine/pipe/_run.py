@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 import zpipe
 from zengine.pipe._errors import PipelineError, describe
 from zengine.pipe._link import frame_size
-from zengine.pipe._payload import flatten, unflatten
+from zengine.pipe._payload import unflatten
 from zengine.pipe._split import SplitBackward
 
 if TYPE_CHECKING:
@@ -247,13 +247,12 @@ class BatchRun:
 
     def recv_activation(self, cmd: Any) -> None:
         virtual = self._virtual(cmd)
-        payload = self.engine.link.recv_activation(
-            frm=self._peer(virtual - 1),
+        tensors, meta = self.engine.link.recv_activation(  # detached: this stage's graph
+            frm=self._peer(virtual - 1),  # starts here
             micro_batch=cmd.micro_batch_id,
             source=virtual - 1,
             where=describe(cmd),
         )
-        tensors, meta = flatten(payload)  # detached: this stage's graph starts here
         slot = self._slot(cmd)
         if self.train:
             slot.in_floats = [t.requires_grad_() for t in tensors if t.is_floating_point()]
