@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -274,6 +275,41 @@ class TestCoordinator(DistributedTest):
         _train(model, handle, batches(3, 4))
         assert handle.peak_live_numel <= limit
         assert handle.peak_live_numel >= largest - 3 * 16
+
+    @pytest.mark.parametrize("world_size", [2, 4])
+    def test_a_large_prefetch_goes_as_several_gathers(self, world_size: int) -> None:
+        """A prefetch bucket over the coalescing limit is gathered in pieces of at most the
+        limit (a unit larger than it alone), and training is unchanged."""
+        from zpartition import _unit
+
+        limit = 1024  # bytes gathered: a linear layer of TinyGPT holds more, a norm less
+        gathered: list[int] = []
+        all_gather = zcomm.all_gather_into_tensor
+
+        def recording(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            gathered.append(output.numel() * output.element_size())
+            return all_gather(output, *args, **kwargs)
+
+        saved = _unit._COALESCE_BYTES
+        _unit._COALESCE_BYTES = limit
+        _unit.zcomm.all_gather_into_tensor = recording  # the real collective, its sizes noted
+        try:
+            torch.manual_seed(0)
+            model = TinyGPT()
+            reference = copy.deepcopy(model)
+            data = batches(3, 4)
+            handle = zpartition.partition(model, config=CONFIGS["per-module"])
+            losses = _train(model, handle, data)
+        finally:
+            _unit._COALESCE_BYTES = saved
+            _unit.zcomm.all_gather_into_tensor = all_gather
+        expected = reference_losses(reference, data, LR)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+        alone = {world_size * u.shard.numel() for u in handle.units}
+        assert max(alone) > limit  # units over the limit
+        assert min(alone) < limit  # and under it
+        assert any(n > limit for n in gathered)  # a large unit, alone
+        assert all(n <= limit or n in alone for n in gathered)  # never several over the limit
 
     @pytest.mark.parametrize("world_size", [2])
     def test_prefetch_follows_the_trace_and_eval_keeps_it(self, world_size: int) -> None:

@@ -85,26 +85,45 @@ def fetch_shards(units: Sequence[Unit]) -> None:
         store.fetch([u.shard for u in stored])
 
 
+_COALESCE_BYTES = 32 << 20
+"""Gathered bytes one collective holds at most. A gather of several units pays one latency,
+but its buffer lives until the last of them copies its part out, beside their full buffers;
+past a few MiB a collective is bandwidth-bound anyway, so a larger set goes as several gathers
+and the copy-out never holds more than this twice (a prefetch bucket of 5e7 fp32 elements
+would otherwise hold 200 MB twice through a forward)."""
+
+
 def issue_gathers(units: Sequence[Unit]) -> None:
-    """Start the all-gather of `units` (agreed with the other ranks first) as one collective:
-    a prefetch bucket of many small modules costs one collective's latency, not one each."""
+    """Start the all-gather of `units` (agreed with the other ranks first), small units
+    together: a prefetch bucket of many small modules costs one collective's latency, not
+    one each."""
     fetch_shards(units)  # offloaded shards come back first
-    remote = []
+    batch: list[Unit] = []
+    held = 0
     for u in units:
         u.channel.count_live(0 if u.persistent else u.numel)
         if u.direct:
             u._show()
-        else:
-            remote.append(u)
-    if not remote:
-        return
-    channel, device = remote[0].channel, remote[0].device
-    sources = [u.shard if u.shard.device == device else u.shard.to(device) for u in remote]
+            continue
+        nbytes = u.channel.size * u.shard.numel()
+        if batch and held + nbytes > _COALESCE_BYTES:
+            _gather_together(batch)
+            batch, held = [], 0
+        batch.append(u)
+        held += nbytes
+    if batch:
+        _gather_together(batch)
+
+
+def _gather_together(units: list[Unit]) -> None:
+    """One all-gather of `units`' shards laid side by side, left in flight."""
+    channel, device = units[0].channel, units[0].device
+    sources = [u.shard if u.shard.device == device else u.shard.to(device) for u in units]
     source = sources[0] if len(sources) == 1 else torch.cat(sources)
     gathered = source.new_empty(channel.size * source.numel())
     handle = zcomm.all_gather_into_tensor(gathered, source, group=channel.group, async_op=True)
     gather, start = _Gather(handle, gathered, channel.size), 0
-    for u, part in zip(remote, sources, strict=True):
+    for u, part in zip(units, sources, strict=True):
         u._pending = (gather, start)
         start += part.numel()
         u.status = _INFLIGHT
