@@ -1,10 +1,32 @@
-"""Checkpoints of a pipeline: each stage a checkpoint of its own, one ``latest`` for all.
+"""Checkpoints of a pipeline: each stage a checkpoint of its own, one ``latest`` for all; a
+load into any number of stages, any partition of the same layers, any data-parallel size.
 
-Stage s saves its layers (and its data-parallel replicas' shards) as zengine saves any engine
-(`zengine._checkpoint`), under ``save_dir/stage<s>/<tag>``, without a ``latest`` of its own.
+The format, under ``save_dir``:
+
+- ``stage<s>/<tag>/``: stage s's layers (and its data-parallel replicas' shards), saved as
+  zengine saves any engine (`zengine._checkpoint`: DCP files keyed by parameter name, a
+  manifest ``zengine.json`` listing every parameter and buffer with its shape, CRCs), without
+  a ``latest`` of its own. A `PipelineModule` names a layer's parameters by the layer's global
+  index (``3.up.weight``) and a tied layer's by its key (``tied_modules.embed.weight``, saved by
+  every stage that holds it, equal), so a name means the same parameter on any stage.
+- ``pipeline-<tag>.json``: the number of stages (what a load needs to find the directories),
+  of layers and of chunks, and the partition.
+- ``latest``: the newest tag, for all stages.
+
 Once every stage's save succeeded, which all ranks agree on, world rank 0 writes
-``save_dir/latest``; a stage that failed fails the save on every stage, and ``latest`` keeps
-naming the previous checkpoint, whole on every stage. A load reads that tag on every stage.
+``pipeline-<tag>.json`` and then ``latest``; a stage that failed fails the save on every stage,
+and ``latest`` keeps naming the previous checkpoint, whole on every stage.
+
+A load first checks, on every rank, the checkpoint's layers (every saved stage's manifest)
+against the module's (every stage's parameters, gathered over the pipeline): a missing stage
+directory, another layer count, a parameter missing, extra, of another shape or optimizer
+group fails the load on every rank, naming the layers and parameters, before anything is
+loaded. Then a stage whose saved directory holds exactly its names (same stages, same
+partition) loads that directory as before; any other stage reads each of its names from an
+old stage that saved it (_checkpoint_reshape.py). Either way DCP reshards each name over the
+stage's data-parallel ranks and ZeRO stage. A checkpoint without ``pipeline-<tag>.json``
+(saved before it existed) loads only into the same stages. A stage that fails to load fails
+the load on every stage.
 """
 
 from __future__ import annotations
@@ -12,21 +34,37 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import zcomm
 from zengine import _checkpoint_files as files
-from zengine._checkpoint_errors import CheckpointError
+from zengine._checkpoint_errors import CheckpointError, CheckpointMismatchError
+from zengine._checkpoint_sync import Sync
+from zengine.pipe._checkpoint_layout import (
+    layout_path,
+    mismatches,
+    module_layout,
+    names,
+    read_layout,
+    read_manifests,
+    stage_description,
+    stage_dir,
+    write_layout,
+)
+
+if TYPE_CHECKING:  # imported where used: it imports torch.distributed.checkpoint
+    from zengine.pipe._checkpoint_reshape import Sources
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger("zengine")
 
 
-def _stage_dir(root: Path, stage: int) -> Path:
-    return root / f"stage{stage}"
+def _world(engine: Any) -> Sync:
+    """Agreement over every rank of every stage."""
+    return Sync(None, engine.config.checkpoint.timeout)
 
 
 def _failed_stages(engine: Any, failed: bool) -> list[int]:
@@ -52,7 +90,7 @@ def save_checkpoint(
     error: BaseException | None = None
     try:
         _checkpoint.save_checkpoint(
-            engine, _stage_dir(root, engine.stage_id), tag, client_state, save_latest=False
+            engine, stage_dir(root, engine.stage_id), tag, client_state, save_latest=False
         )
     except Exception as exc:  # reported to every stage below, then raised here
         error = exc
@@ -64,9 +102,20 @@ def save_checkpoint(
             f"save_checkpoint({str(root)!r}, tag={tag!r}): stage(s) {failed} failed to save; "
             f"'{files.LATEST}' still names the previous checkpoint"
         )
-    if save_latest and zcomm.get_rank() == 0:
-        files.write_atomic(root / files.LATEST, tag.encode())
-    zcomm.barrier()  # 'latest' is written before anyone goes on
+    problem = None
+    if zcomm.get_rank() == 0:
+        try:
+            write_layout(root, tag, module_layout(engine.module))
+            if save_latest:
+                files.write_atomic(root / files.LATEST, tag.encode())
+        except OSError as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+    # also the barrier: 'latest' is written before anyone goes on
+    _world(engine).agree(
+        f"save_checkpoint({str(root)!r}, tag={tag!r}): writing "
+        f"{layout_path(root, tag).name} and '{files.LATEST}' on rank 0",
+        problem,
+    )
     return True
 
 
@@ -78,6 +127,7 @@ def load_checkpoint(
     load_lr_scheduler_states: bool,
 ) -> tuple[str | None, dict[str, Any] | None]:
     from zengine import _checkpoint  # torch.distributed.checkpoint: a second to import
+    from zengine.pipe import _checkpoint_reshape as reshape
 
     root = Path(load_dir)
     if tag is None:
@@ -85,10 +135,74 @@ def load_checkpoint(
         if tag is None:
             log.warning("zengine: no '%s' file in %s: no checkpoint loaded", files.LATEST, root)
             return None, None
-    return _checkpoint.load_checkpoint(
-        engine,
-        _stage_dir(root, engine.stage_id),
-        tag,
-        load_optimizer_states,
-        load_lr_scheduler_states,
+    where = f"load_checkpoint({str(root)!r}, tag={tag!r})"
+    sources = _sources(engine, root, tag, load_optimizer_states, where)
+    error: BaseException | None = None
+    result: tuple[str | None, dict[str, Any] | None] = (None, None)
+    try:
+        if sources is None:
+            result = _checkpoint.load_checkpoint(
+                engine,
+                stage_dir(root, engine.stage_id),
+                tag,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+            )
+        else:
+            result = reshape.load_stage(
+                engine, sources, load_optimizer_states, load_lr_scheduler_states
+            )
+    except Exception as exc:  # reported to every stage below, then raised here
+        error = exc
+    failed = _failed_stages(engine, error is not None)
+    if error is not None:
+        raise error
+    if failed:  # no stage trains on while another has not loaded
+        raise CheckpointError(
+            f"{where}: stage(s) {failed} failed to load (their error is raised there); this "
+            "stage loaded, the pipeline as a whole did not"
+        )
+    return result
+
+
+def _sources(engine: Any, root: Path, tag: str, optimizer: bool, where: str) -> Sources | None:
+    """Where this stage loads from: None for its own saved directory (it holds exactly this
+    stage's names, or the checkpoint has no layout), else the old stages to read. Collective
+    over the world; raises alike on every rank when the checkpoint does not fit the module."""
+    from zengine.pipe import _checkpoint_reshape as reshape
+
+    world = _world(engine)
+    layout, saved, error = None, [], None
+    try:
+        layout = read_layout(root, tag)
+        if layout is not None:
+            saved = read_manifests(root, tag, layout.stages)
+    except CheckpointError as exc:
+        error = exc
+    world.agree(where, error)
+    if layout is None:
+        return None
+    mine = stage_description(engine)
+    # every stage's description, over this rank's pipeline (one rank per stage: the data-
+    # parallel replicas describe the same), not the world: the descriptions can be large
+    pipe = Sync(engine.grid.get_pipe_parallel_group(), engine.config.checkpoint.timeout)
+    now = sorted(pipe.gather(mine), key=lambda d: int(d["stage"]))
+    # the same descriptions and files on every rank: every rank raises alike
+    problems = mismatches(layout, saved, now, engine.module, optimizer=optimizer)
+    if problems:
+        lines = "\n  ".join(problems)
+        raise CheckpointMismatchError(
+            f"{where}: the checkpoint ({layout.stages} stages, partition {layout.parts}) is "
+            f"not of this pipeline's layers; nothing was loaded:\n  {lines}"
+        )
+    if layout.stages == engine.num_stages and names(saved[engine.stage_id]) == names(mine):
+        return None
+    log.info(
+        "zengine: stage %d of %d loads from a checkpoint of %d stages (partition %s, now %s)",
+        engine.stage_id,
+        engine.num_stages,
+        layout.stages,
+        layout.parts,
+        engine.module.parts,
     )
+    return reshape.sources(root, tag, saved, names(mine), engine.stage_id, engine.num_stages)

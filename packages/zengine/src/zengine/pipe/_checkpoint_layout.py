@@ -1,0 +1,193 @@
+"""Which stage of a pipeline checkpoint holds which parameters, and whether they fit a module.
+
+A pipeline checkpoint is one engine checkpoint per stage (``stage<s>/<tag>``), each keyed by
+parameter name. `PipelineModule` registers a layer under its *global* index (``"3.up.weight"``)
+and a tied layer under its key (``"tied_modules.embed.weight"``), so a name means the same
+parameter whatever stage held it: the manifests of the stages say where every name lies, and
+a module of another partition or stage count finds each of its names in one old stage. What
+the manifests do not say, the number of stages, lies in ``pipeline-<tag>.json`` next to
+``latest``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from zengine import _checkpoint_files as files
+from zengine._checkpoint_errors import CorruptCheckpointError
+from zengine._checkpoint_manifest import (
+    FORMAT,
+    _optimizer_differences,
+    _param_differences,
+    describe,
+)
+from zengine.pipe._module import PipelineModule
+from zengine.pipe._specs import TiedLayerSpec
+
+__all__ = [
+    "Layout",
+    "layout_path",
+    "mismatches",
+    "module_layout",
+    "names",
+    "owners",
+    "read_layout",
+    "read_manifests",
+    "stage_description",
+    "stage_dir",
+    "write_layout",
+]
+
+LAYOUT_FORMAT = 1
+
+
+def stage_dir(root: Path, stage: int) -> Path:
+    return root / f"stage{stage}"
+
+
+def layout_path(root: Path, tag: str) -> Path:
+    return root / f"pipeline-{tag}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the saved pipeline was split: the stage count is what a load needs (to find the
+    stage directories), the layer count is checked, the rest is said in errors and logs."""
+
+    stages: int
+    layers: int
+    chunks: int
+    parts: list[int]
+
+
+def module_layout(module: PipelineModule) -> Layout:
+    return Layout(module.num_stages, len(module._layer_specs), module.chunks, list(module.parts))
+
+
+def write_layout(root: Path, tag: str, layout: Layout) -> None:
+    record = {"format": LAYOUT_FORMAT, "tag": tag, **dataclasses.asdict(layout)}
+    files.write_atomic(layout_path(root, tag), json.dumps(record, indent=1).encode())
+
+
+def read_layout(root: Path, tag: str) -> Layout | None:
+    """The layout saved with `tag`; None for a checkpoint saved without one (before zengine
+    wrote it, or when writing it failed): each stage then loads its own directory."""
+    path = layout_path(root, tag)
+    try:
+        record = json.loads(path.read_text())
+        if record.get("format") != LAYOUT_FORMAT:
+            raise CorruptCheckpointError(
+                f"{path}: format {record.get('format')!r}, this zengine reads {LAYOUT_FORMAT}"
+            )
+        return Layout(
+            int(record["stages"]), int(record["layers"]), int(record["chunks"]), record["parts"]
+        )
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise CorruptCheckpointError(f"{path} is corrupt: {error!r}") from None
+
+
+def read_manifests(root: Path, tag: str, stages: int) -> list[dict[str, Any]]:
+    """Every saved stage's manifest; an error naming a stage directory that is missing."""
+    return [files.read_manifest(stage_dir(root, s) / tag) for s in range(stages)]
+
+
+def names(description: dict[str, Any]) -> set[str]:
+    """The parameters and buffers a manifest (or `describe`) lists."""
+    return set(description["params"]) | set(description["buffers"])
+
+
+def stage_description(engine: Any) -> dict[str, Any]:
+    """What this stage's module holds, in the manifest's terms (`describe`), with its stage."""
+    return {**describe(engine), "stage": engine.stage_id}
+
+
+def _merged(descriptions: list[dict[str, Any]]) -> dict[str, Any]:
+    """One description of a whole pipeline from its stages' (in stage order: a tied weight
+    held by several stages is described by the lowest)."""
+    params: dict[str, Any] = {}
+    buffers: dict[str, Any] = {}
+    for d in descriptions:
+        params = {**d["params"], **params}
+        buffers = {**d["buffers"], **buffers}
+    first = descriptions[0]
+    return {
+        "params": params,
+        "buffers": buffers,
+        "optimizer": first["optimizer"],
+        "param_groups": first["param_groups"],
+    }
+
+
+def _labeller(module: PipelineModule) -> Callable[[str], str]:
+    """``name -> "name (layer i)"``: errors name the layer a parameter belongs to."""
+    tied: dict[str, list[int]] = {}
+    for index, spec in enumerate(module._layer_specs):
+        if isinstance(spec, TiedLayerSpec):
+            tied.setdefault(spec.key, []).append(index)
+
+    def label(name: str) -> str:
+        head, _, rest = name.partition(".")
+        if head.isdigit():
+            return f"{name} (layer {head})"
+        if head == "tied_modules":
+            key = rest.partition(".")[0]
+            where = ", ".join(map(str, tied.get(key, []))) or "none in the model"
+            return f"{name} (tied {key!r}, layers {where})"
+        return name
+
+    return label
+
+
+def _labelled(description: dict[str, Any], label: Callable[[str], str]) -> dict[str, Any]:
+    return {
+        **description,
+        "params": {label(n): v for n, v in description["params"].items()},
+        "buffers": {label(n): v for n, v in description["buffers"].items()},
+    }
+
+
+def mismatches(
+    layout: Layout,
+    saved: list[dict[str, Any]],
+    now: list[dict[str, Any]],
+    module: PipelineModule,
+    *,
+    optimizer: bool,
+) -> list[str]:
+    """Every difference between the checkpoint (its layout and its stages' manifests) and the
+    module (its stages' descriptions), each naming the layer and the parameter; empty when
+    the checkpoint loads into the module whatever the partitions."""
+    problems = [
+        f"stage {s}: checkpoint format {m.get('format')!r}, this zengine reads {FORMAT}"
+        for s, m in enumerate(saved)
+        if m.get("format") != FORMAT
+    ]
+    if problems:
+        return problems
+    layers = len(module._layer_specs)
+    if layout.layers != layers:
+        problems.append(f"layers: {layout.layers} in the checkpoint, {layers} in the model")
+    # the manifest's own comparisons, on names that say their layer
+    label = _labeller(module)
+    old, new = _labelled(_merged(saved), label), _labelled(_merged(now), label)
+    problems += _param_differences(old, new)
+    if optimizer:
+        problems += _optimizer_differences(old, new)
+    return problems
+
+
+def owners(saved: list[dict[str, Any]]) -> dict[str, int]:
+    """For every name in the checkpoint, the lowest stage that saved it (a tied weight is
+    saved, equal, by every stage that holds it: the lowest stage's copy is the one
+    `PipelineModule.sync_tied_weights` hands the others too)."""
+    found: dict[str, int] = {}
+    for s, manifest in enumerate(saved):
+        for name in names(manifest):
+            found.setdefault(name, s)
+    return found

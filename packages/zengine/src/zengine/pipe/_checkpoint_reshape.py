@@ -1,0 +1,151 @@
+"""One stage of a pipeline loaded from a checkpoint saved with other stages or partitions.
+
+Every old stage's directory is an engine checkpoint keyed by parameter name (see
+_checkpoint_layout.py). This stage reads, from each old stage that holds some of its names
+(the lowest one, for a tied weight held by several), the entries of those names only: a DCP
+load reads exactly the keys its destination holds, and reshards each over this stage's
+data-parallel ranks as any engine load does. What every stage saves alike (step counters, LR
+scheduler, loss scale, the optimizer's group options) and what is per rank (RNG, client state)
+comes from one old stage, the *primary*: ``stage * old_stages // stages``, this stage itself
+when the stage count is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from zengine._checkpoint import _failures, _sync, _verify
+from zengine._checkpoint_errors import CorruptCheckpointError
+from zengine._checkpoint_pieces import PieceLoadPlanner
+from zengine._checkpoint_state import (
+    ENGINE,
+    PARAM_GROUPS,
+    apply_engine_state,
+    apply_optimizer_objects,
+    apply_rng,
+    model_entries,
+    optimizer_destinations,
+    rank_key,
+)
+from zengine._checkpoint_sync import Sync
+from zengine.pipe._checkpoint_layout import owners, stage_dir
+
+__all__ = ["Sources", "load_stage", "sources"]
+
+log = logging.getLogger("zengine")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """Where one stage's state comes from."""
+
+    directories: dict[int, Path]  # old stage -> its checkpoint directory, for those read
+    manifests: dict[int, dict[str, Any]]
+    take: dict[int, set[str]]  # old stage -> the names this stage reads from it
+    primary: int
+
+
+def sources(
+    root: Path, tag: str, saved: list[dict[str, Any]], mine: set[str], stage: int, stages: int
+) -> Sources:
+    """The old stages that `stage` of `stages` reads its names `mine` from (every name is in
+    the checkpoint: the layers were checked first)."""
+    owner = owners(saved)
+    primary = stage * len(saved) // stages
+    take: dict[int, set[str]] = {primary: set()}
+    for name in mine:
+        take.setdefault(owner[name], set()).add(name)
+    return Sources(
+        {s: stage_dir(root, s) / tag for s in take},
+        {s: saved[s] for s in take},
+        take,
+        primary,
+    )
+
+
+def _name_of(key: str) -> str:
+    """The parameter or buffer a state key belongs to (see _checkpoint_state.py):
+    ``master/<name>``, ``model/<name>``, ``optim/<name>/<state>``; "" for other keys."""
+    kind, _, rest = key.partition("/")
+    if kind == "optim":
+        return rest.rpartition("/")[0]
+    return rest if kind in ("master", "model") else ""
+
+
+def _read(
+    engine: Any,
+    sync: Sync,
+    directory: Path,
+    take: set[str],
+    extras: list[str],
+    optimizer: bool,
+) -> dict[str, Any]:
+    """The entries of the names `take` and the objects `extras`, read from `directory` into
+    this rank's tensors (views: DCP writes straight into them)."""
+    reader = FileSystemReader(directory)
+    metadata = reader.read_metadata()
+    entries: dict[str, Any] = dict(model_entries(engine))
+    if optimizer:  # creates the state the optimizer has not made yet, as the checkpoint has it
+        entries.update(optimizer_destinations(engine, metadata))
+    dest = {k: v for k, v in entries.items() if _name_of(k) in take}
+    for key in extras:
+        dest[key] = entries.get(key)  # an object: DCP replaces the value
+    error = None
+    try:  # each rank reads its own pieces: no collective
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:
+        error = _failures(exc)
+    sync.agree(f"load_checkpoint({str(directory)!r}): reading", error, CorruptCheckpointError)
+    return dest
+
+
+def load_stage(
+    engine: Any, src: Sources, optimizer: bool, scheduler: bool
+) -> tuple[str, dict[str, Any]]:
+    """Load this stage from the old stages in `src`; ``(path, client_state)`` as
+    ``engine.load_checkpoint`` returns, the path the primary's directory."""
+    sync = _sync(engine)
+    sync.arrive("load_checkpoint")
+    engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
+    start = time.perf_counter()
+    for s in sorted(src.take):  # every file read is checked before anything is loaded
+        _verify(sync, src.directories[s], src.manifests[s])
+    rank = sync.rank % int(src.manifests[src.primary]["world_size"])
+    extras = [ENGINE, rank_key(rank, "rng"), rank_key(rank, "client_state")]
+    if optimizer:
+        extras.append(PARAM_GROUPS)
+    loaded: dict[str, Any] = {}
+    for s in sorted(src.take):
+        log.info(
+            "zengine: stage %d loading %d names from %s",
+            engine.stage_id,
+            len(src.take[s]),
+            src.directories[s],
+        )
+        mine = extras if s == src.primary else []
+        loaded.update(_read(engine, sync, src.directories[s], src.take[s], mine, optimizer))
+    engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
+    engine.optimizer.zero_grad()
+    if optimizer:
+        apply_optimizer_objects(engine, loaded)
+    apply_engine_state(engine, loaded[ENGINE], scheduler=scheduler)
+    apply_rng(loaded[rank_key(rank, "rng")])
+    log.info(
+        "zengine: stage %d loaded from %d saved stage(s) in %.2f s",
+        engine.stage_id,
+        len(src.take),
+        time.perf_counter() - start,
+    )
+    client: dict[str, Any] = loaded[rank_key(rank, "client_state")]
+    return str(src.directories[src.primary]), client
