@@ -56,15 +56,18 @@ class TestParity(DistributedTest):
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
         assert tied_weights_equal(engine.module)
         assert engine.global_steps == STEPS
+        assert engine.link.received_ahead > 0  # gloo: receives posted before they are asked for
 
     def test_schedules_as_written(self) -> None:
-        # what NCCL runs: the sends where the schedule puts them, not moved up
+        # what NCCL runs: the sends where the schedule puts them, not moved up, and each
+        # receive posted when the schedule asks for it
         data = batches(3, 8)
         expected, _ = reference_losses(data)
         for schedule, chunks in [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1), ("interleaved", 2)]:
             engine = initialize(pipeline(2, chunks=chunks), config(pipeline={"schedule": schedule}))
-            engine.eager_sends = False
+            engine.eager_sends = engine.receive_ahead = False
             torch.testing.assert_close(train(engine, data), expected, rtol=1e-5, atol=0)
+            assert engine.link.received_ahead == 0
             assert engine.eval_batch(micro_batches(data[0], 4, 1, 0)).isfinite()
 
     @pytest.mark.world_size(4)

@@ -109,6 +109,11 @@ class PipelineEngine(Engine):
         #: on by default where sends are buffered (gloo). On NCCL a send waits for its receive
         #: in the stream's order, and only the schedule's own order is proved deadlock-free.
         self.eager_sends = dist.get_backend(self.grid.get_pipe_parallel_group()) == "gloo"
+        #: post each stage's next receive as soon as its frame's size is known, so that a
+        #: message moves while this stage computes (`Link.post_ahead`); on for gloo, whose
+        #: receives are matched apart from its sends. On NCCL a posted receive would hold up
+        #: the sends queued after it on the same stream.
+        self.receive_ahead = self.eager_sends
         #: the loader of `initialize(training_data=...)`: what train_batch() reads by default
         self.training_dataloader: Iterable[Any] | None = None
         self._data_iterator: Iterator[Any] | None = None

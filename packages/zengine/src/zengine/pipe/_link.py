@@ -86,7 +86,9 @@ class Link:
         self._in_flight: deque[tuple[zcomm.Handle, torch.Tensor]] = deque()  # sends, their data
         self._local: dict[tuple[int, int], deque[Any]] = {}  # (kind, virtual stage) -> queue
         self._told_by: int | None = None  # the stage whose abort this stage received
+        self._ahead: dict[int, tuple[zcomm.Handle, torch.Tensor]] = {}  # by stage: see post_ahead
         self.metas_sent = 0  # how often a payload's shapes changed (tests read it)
+        self.received_ahead = 0  # receives that found their message posted ahead (tests too)
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -198,9 +200,32 @@ class Link:
             )
         return queue.popleft()
 
-    def _recv(self, frm: int, nbytes: int, where: str) -> torch.Tensor:
+    def post_ahead(self, frm: int, nbytes: int) -> None:
+        """Post the next receive from stage `frm` now, a frame of `nbytes` (what this stage's
+        schedule expects next from it), so that the message moves while this stage computes;
+        the receive that asks for it takes it. One at a time per stage, and only where a
+        posted receive never holds up a send (gloo: see PipelineEngine.receive_ahead)."""
+        if frm == self.stage or frm in self._ahead:
+            return
         data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        handle = zcomm.irecv(data, self.rank_of(frm))
+        self._ahead[frm] = (zcomm.irecv(data, self.rank_of(frm)), data)
+
+    def posted_ahead(self, frm: int) -> bool:
+        return frm in self._ahead
+
+    def _recv(self, frm: int, nbytes: int, where: str) -> torch.Tensor:
+        ahead = self._ahead.pop(frm, None)
+        if ahead is None:
+            data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            handle = zcomm.irecv(data, self.rank_of(frm))
+        else:
+            handle, data = ahead
+            self.received_ahead += 1
+            if data.numel() != nbytes:  # a bug of this module, not of the peer: say so
+                raise RuntimeError(
+                    f"stage {self.stage}, {where}: a receive from stage {frm} was posted ahead "
+                    f"for {data.numel()} bytes, the frame expected has {nbytes}"
+                )
         self._wait(handle, where, f"nothing came from stage {frm} (rank {self.rank_of(frm)})")
         return data
 

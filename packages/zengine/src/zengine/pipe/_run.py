@@ -8,6 +8,7 @@ contents impossible to mix up. A slot is dropped once nothing later reads it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,7 @@ class BatchRun:
         stage and the instruction."""
         link, times = self.engine.link, self.engine.compute_times
         program = [(step, cmd) for step, cmds in enumerate(self.schedule) for cmd in cmds]
+        receives = self._receives(program) if self.engine.receive_ahead else {}
         for at, (step, cmd) in enumerate(program):
             handler = self._handler(type(cmd))
             try:
@@ -113,6 +115,7 @@ class BatchRun:
                     handler(cmd)
                     if times is not None and type(cmd) in _KINDS:
                         times.setdefault(_KINDS[type(cmd)], []).append(time.perf_counter() - start)
+                    self._post_ahead(at, receives)
             except PipelineError as error:
                 # already names the stage that failed
                 link.abort(str(error), self._expected([c for _, c in program[at:]]))
@@ -125,6 +128,44 @@ class BatchRun:
                 link.abort(text, self._expected([c for _, c in program[at:]]))
                 raise PipelineError(text, stage=self.stage, instruction=describe(cmd)) from error
         link.drain()
+
+    # -- receives posted ahead -----------------------------------------------------------------
+
+    def _receives(self, program: list[tuple[int, Any]]) -> dict[int, deque[tuple[int, Any]]]:
+        """Per peer stage, its receive instructions in program order (index, instruction)."""
+        found: dict[int, deque[tuple[int, Any]]] = {}
+        for at, (_, cmd) in enumerate(program):
+            if isinstance(cmd, zpipe.RecvActivation | zpipe.RecvGrad):
+                peer = self._sender(cmd)
+                if peer != self.stage:
+                    found.setdefault(peer, deque()).append((at, cmd))
+        return found
+
+    def _post_ahead(self, at: int, receives: dict[int, deque[tuple[int, Any]]]) -> None:
+        """Instruction `at` is done: post each peer's next receive whose size is known now (a
+        gradient's once its forward ran, an activation's once its source's shapes are)."""
+        link = self.engine.link
+        for peer, queue in receives.items():
+            while queue and queue[0][0] <= at:
+                queue.popleft()
+            if queue and not link.posted_ahead(peer):
+                nbytes = self._frame_bytes(queue[0][1])
+                if nbytes is not None:
+                    link.post_ahead(peer, nbytes)
+
+    def _sender(self, cmd: Any) -> int:
+        virtual = self._virtual(cmd)
+        return self._peer(virtual - 1 if isinstance(cmd, zpipe.RecvActivation) else virtual + 1)
+
+    def _frame_bytes(self, cmd: Any) -> int | None:
+        """The size of the frame receive `cmd` takes, or None while it is not known."""
+        if isinstance(cmd, zpipe.RecvActivation):
+            meta = self.engine.link.recv_meta.get(self._virtual(cmd) - 1)
+            return frame_size(meta.tensor_slots()) if meta is not None else None
+        slot = self.slots.get(self._key(cmd))
+        if slot is None or slot.outputs is None:  # its forward has not run yet
+            return None
+        return frame_size([(t.dtype, tuple(t.shape)) for t in slot.out_floats])
 
     def _expected(self, remaining: list[Any]) -> dict[int, int]:
         """Per peer stage, the size of the frame it expects next from this stage: that of the
