@@ -276,6 +276,35 @@ def test_offload_sections() -> None:
     assert zero.offload_optimizer.pin_memory is True
 
 
+def test_aio_section() -> None:
+    # absent: zoffload's own defaults; present: DeepSpeed's for what it leaves out
+    assert load_config({"train_batch_size": 1}, world_size=1).aio is None
+    aio = load_config({"train_batch_size": 1, "aio": {}}, world_size=1).aio
+    assert aio is not None
+    assert (aio.block_size, aio.queue_depth, aio.thread_count) == (1_048_576, 8, 1)
+    assert (aio.requests_in_flight, aio.chunk_bytes) == (8, 1_048_576)
+    written = {  # as the Hugging Face docs write it for ZeRO-Infinity
+        "block_size": 262144,
+        "queue_depth": 32,
+        "thread_count": 1,
+        "single_submit": False,
+        "overlap_events": True,
+    }
+    aio = load_config({"train_batch_size": 1, "aio": written}, world_size=1).aio
+    assert aio is not None
+    assert (aio.requests_in_flight, aio.chunk_bytes) == (32, 262144)
+    newer = {"block_size": 5000, "intra_op_parallelism": 2, "use_gds": False}
+    aio = load_config({"train_batch_size": 1, "aio": newer}, world_size=1).aio
+    assert aio is not None
+    assert (aio.thread_count, aio.requests_in_flight, aio.chunk_bytes) == (2, 16, 8192)
+
+
+def test_bad_aio_values_are_named() -> None:
+    problems = _problems({"train_batch_size": 1, "aio": {"block_size": 0, "queue_dept": 4}})
+    assert problems[0].startswith("aio.block_size: ")
+    assert problems[1] == "aio.queue_dept: unknown key; did you mean 'queue_depth'?"
+
+
 def test_null_offload_means_none() -> None:
     zero = load_config(_zero(offload_param=None), world_size=1).zero_optimization
     assert zero.offload_param.device == "none"

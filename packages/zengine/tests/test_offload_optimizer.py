@@ -129,6 +129,27 @@ class TestOffloadOptimizer(DistributedTest):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    @pytest.mark.parametrize("world_size", [2])
+    def test_aio_section_sets_the_nvme_requests(self, world_size: int) -> None:
+        """A ZeRO-Infinity config as DeepSpeed users write it, ``aio`` included (small blocks,
+        so the states here span many requests): the requests follow it, the losses do not
+        change, and offload_states uses the same requests."""
+        folder = _folder()
+        try:
+            offload = {"device": "nvme", "nvme_path": str(folder), "pin_memory": True}
+            aio = {"block_size": 6000, "queue_depth": 3, "thread_count": 2, "single_submit": False}
+            engine, reference = _engine(3, {"offload_optimizer": offload}, aio=aio)
+            io = engine.optimizer.swapper.offloader.io
+            assert (io.threads, io.chunk_bytes) == (6, 8192)  # 3 x 2 in flight, 4 KiB-aligned
+            assert engine._offloaded.offloader is engine.optimizer.swapper.offloader
+            data = global_batches(4, 2 * world_size)
+            torch.testing.assert_close(
+                _train(engine, data), plain_losses(reference, data, lr=LR), rtol=1e-5, atol=0
+            )
+            engine.destroy()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
 
 class TestOffloadParam(DistributedTest):
     @pytest.mark.parametrize("world_size", [1, 2])

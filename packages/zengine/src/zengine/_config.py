@@ -18,6 +18,7 @@ from pydantic import AliasChoices, Field, ValidationError
 
 from zengine._config_errors import ConfigError, describe_validation_error
 from zengine._config_sections import (
+    AioConfig,
     BF16Config,
     CheckpointConfig,
     DataType,
@@ -60,6 +61,9 @@ class _Sections(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """The pipeline engine's stages and schedule (a ``zengine.pipe.PipelineModule`` model)."""
+    aio: AioConfig | None = None
+    """How NVMe offload reads and writes (DeepSpeed's defaults when the section is there, even
+    empty); None: zoffload's own defaults."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step separately."""
     gradient_accumulation_dtype: DataType | None = None

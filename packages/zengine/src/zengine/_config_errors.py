@@ -21,7 +21,6 @@ __all__ = ["ConfigError", "config_error", "describe_validation_error", "dotted",
 _DEEPSPEED_ONLY = frozenset(
     {
         "activation_checkpointing",
-        "aio",
         "amp",
         "autotuning",
         "comet",

@@ -28,6 +28,7 @@ from pydantic import (
 from zengine._config_errors import config_error, show
 
 __all__ = [
+    "AioConfig",
     "BF16Config",
     "CheckpointConfig",
     "FP16Config",
@@ -203,6 +204,41 @@ class OffloadOptimizerConfig(_OffloadConfig):
     """Overlap reading the next tile with the step on this one (NVMe)."""
     pipeline_write: bool = False
     """Overlap writing the previous tile with the step on this one (NVMe)."""
+
+
+class AioConfig(_Section):
+    """``aio``: how NVMe offload reads and writes (DeepSpeed's libaio settings).
+
+    zoffload keeps ``queue_depth x thread_count`` requests of ``block_size`` bytes in flight,
+    each on a thread of its own (blocking ``pread``/``pwrite`` with O_DIRECT, not libaio), the
+    block rounded up to 4 KiB. ``single_submit`` and ``overlap_events`` tune libaio's batching
+    and mean nothing there: they are accepted and have no effect. Without this section zoffload
+    uses its own defaults (4 requests of 8 MiB).
+    """
+
+    block_size: int = Field(default=1_048_576, ge=1)
+    """Bytes per request."""
+    queue_depth: int = Field(default=8, ge=1)
+    """Requests in flight per thread."""
+    thread_count: int = Field(
+        default=1, ge=1, validation_alias=AliasChoices("thread_count", "intra_op_parallelism")
+    )
+    """I/O threads (DeepSpeed's newer name: ``intra_op_parallelism``)."""
+    single_submit: bool = False
+    """libaio: submit requests one at a time (no effect here)."""
+    overlap_events: bool = True
+    """libaio: overlap submitting and completing requests (no effect here)."""
+    use_gds: bool = False
+    """GPUDirect Storage: not available in zoffload; a warning says it is not used."""
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self.queue_depth * self.thread_count
+
+    @property
+    def chunk_bytes(self) -> int:
+        """``block_size`` rounded up to O_DIRECT's 4 KiB."""
+        return -(-self.block_size // 4096) * 4096
 
 
 def _none_is_default(value: object) -> object:

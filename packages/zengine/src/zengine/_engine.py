@@ -17,6 +17,7 @@ from torch import nn
 
 import zcomm
 import zpartition
+from zengine._aio import nvme_offloader
 from zengine._offload_states import StateOffloader
 from zengine._progress import Progress
 from zengine._zero_optimizer import ZeroOptimizer
@@ -119,7 +120,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0  # backward passes taken
         self.progress = Progress(self, config)
-        self._offloaded = StateOffloader()
+        self._offloaded = StateOffloader(nvme_offloader(config.aio))
         # Only what stage 3 gathers and frees every step is worth handing back: with one rank
         # nothing is gathered (the shards are the parameters).
         gathers = partitioned is not None and zcomm.get_world_size(optimizer.group) > 1

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import zcomm
 import zpartition
+from zengine._aio import nvme_offloader
 from zengine._config import EngineConfig, load_config
 from zengine._engine import Engine
 from zengine._layouts import FlatLayout, ShardedLayout
@@ -181,7 +182,9 @@ def _swap_to_nvme(zero: ZeroOptimizer, cfg: EngineConfig) -> None:
         return
     assert settings.nvme_path is not None  # the config requires it with nvme
     folder = Path(settings.nvme_path) / f"zengine-optimizer-rank{zcomm.get_rank()}"
-    zero.swapper = NvmeStateSwapper(zero.optimizer, folder, pin_memory=settings.pin_memory)
+    zero.swapper = NvmeStateSwapper(
+        zero.optimizer, folder, pin_memory=settings.pin_memory, offloader=nvme_offloader(cfg.aio)
+    )
     zero.swap_out_states()
 
 

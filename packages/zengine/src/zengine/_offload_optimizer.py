@@ -22,10 +22,18 @@ __all__ = ["NvmeStateSwapper"]
 class NvmeStateSwapper:
     """Swaps the tensors the optimizer steps, and their state, out to NVMe and back in."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, path: Path, *, pin_memory: bool) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        path: Path,
+        *,
+        pin_memory: bool,
+        offloader: zoffload.Offloader | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.path = path
         self.pin_memory = pin_memory
+        self.offloader = offloader or zoffload.default_offloader()  # the config's `aio`, if any
         self._handle: zoffload.OffloadHandle | None = None  # what is out (or coming back)
         path.mkdir(parents=True, exist_ok=True)
 
@@ -48,7 +56,7 @@ class NvmeStateSwapper:
         """Write the state to NVMe in the background; its memory is freed once written."""
         if self._handle is not None:
             return
-        self._handle = zoffload.offload(
+        self._handle = self.offloader.offload(
             self._tensors(),
             zoffload.OffloadDeviceEnum.nvme,
             pin_memory=self.pin_memory,

@@ -81,8 +81,10 @@ def get_state_devices(engine: Any, state: OffloadStateTypeEnum | str) -> set[tor
 class StateOffloader:
     """The offloaded states of one engine, by type."""
 
-    def __init__(self) -> None:
+    def __init__(self, offloader: zoffload.Offloader | None = None) -> None:
         self.handles: dict[OffloadStateTypeEnum, zoffload.OffloadHandle] = {}
+        # NVMe goes through the config's `aio` settings when it has them
+        self.offloader = offloader or zoffload.default_offloader()
 
     def offload(
         self,
@@ -113,7 +115,7 @@ class StateOffloader:
             }
             if not tensors:
                 continue
-            self.handles[state] = zoffload.offload(
+            self.handles[state] = self.offloader.offload(
                 tensors,
                 # the gradient bucket is scratch space: freed, not copied (as DeepSpeed does)
                 OffloadDeviceEnum.none
