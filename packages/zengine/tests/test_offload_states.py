@@ -28,15 +28,19 @@ def _rss() -> int:
     return 0
 
 
-def _engine(stage: int, **zero: Any) -> tuple[zengine.Engine, nn.Module]:
+def _engine(
+    stage: int, aio: dict[str, Any] | None = None, **zero: Any
+) -> tuple[zengine.Engine, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "steps_per_print": 10**6,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
     }
+    if aio is not None:
+        config["aio"] = aio
     engine, *_ = zengine.initialize(model=model, config=config)
     return engine, model
 
@@ -52,14 +56,26 @@ def _steps(engine: zengine.Engine, n: int, g: torch.Generator) -> list[float]:
 
 
 class TestOffloadStates(DistributedTest):
-    @pytest.mark.parametrize("world_size", [1, 2])
-    @pytest.mark.parametrize("stage", [1, 3])
+    @pytest.mark.parametrize(
+        ("world_size", "stage", "aio"),
+        [
+            (1, 1, None),
+            (2, 1, None),
+            (1, 3, None),
+            (2, 3, None),
+            # DeepSpeed's aio section: 4 requests of 256 KiB in flight instead of zoffload's own
+            (2, 3, {"block_size": 262144, "queue_depth": 2, "thread_count": 2}),
+        ],
+    )
     def test_nvme_round_trip_frees_memory_and_training_goes_on(
-        self, world_size: int, stage: int
+        self, world_size: int, stage: int, aio: dict[str, Any] | None
     ) -> None:
         reference, _ = _engine(stage)
         expected = _steps(reference, 4, torch.Generator().manual_seed(5 + zcomm.get_rank()))
-        engine, _ = _engine(stage)
+        engine, _ = _engine(stage, aio)
+        if aio is not None:
+            io = engine._offloaded.offloader.io
+            assert (io.threads, io.chunk_bytes) == (4, 262144)
         data = torch.Generator().manual_seed(5 + zcomm.get_rank())
         first = _steps(engine, 2, data)
         held = {s: zengine._offload_states.state_tensors(engine, s) for s in STATES}
