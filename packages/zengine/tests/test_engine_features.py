@@ -183,6 +183,28 @@ class TestUserOptimizerAndScheduler(DistributedTest):
         assert sched is engine.lr_scheduler
 
 
+class TestConfigOptimizer(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1])
+    @pytest.mark.parametrize(
+        ("params", "kind", "fused"),
+        [
+            ({}, torch.optim.AdamW, True),  # DeepSpeed's Adam: decoupled decay, fused kernel
+            ({"torch_adam": True}, torch.optim.AdamW, False),  # torch's per-tensor loop
+            ({"adam_w_mode": False}, torch.optim.Adam, True),
+        ],
+    )
+    def test_adam_from_the_config(
+        self, world_size: int, params: dict[str, object], kind: type, fused: bool
+    ) -> None:
+        cfg = _config(optimizer={"type": "Adam", "params": {"lr": 1e-2, **params}})
+        engine, optimizer, _, _ = zengine.initialize(model=TinyGPT(), config=cfg)
+        assert type(optimizer.optimizer) is kind
+        assert optimizer.optimizer.defaults["fused"] is fused
+        tokens = global_batches(1, 2)[0]
+        first = _step(engine, tokens).item()
+        assert _step(engine, tokens).item() < first
+
+
 class TestProgress(DistributedTest):
     @pytest.mark.parametrize("world_size", [2])
     def test_a_line_every_steps_per_print_on_rank_0(self, world_size: int) -> None:

