@@ -14,6 +14,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -221,14 +222,31 @@ def _verify(sync: Sync, directory: Path, manifest: dict[str, Any]) -> None:
 def _read(
     engine: Any, sync: Sync, directory: Path, manifest: dict[str, Any], optimizer: bool
 ) -> dict[str, Any]:
+    src = sync.rank % int(manifest["world_size"])
+    extras = [ENGINE, rank_key(src, "rng"), rank_key(src, "client_state")]
+    return read_entries(engine, sync, directory, optimizer=optimizer, extras=extras)
+
+
+def read_entries(
+    engine: Any,
+    sync: Sync,
+    directory: Path,
+    *,
+    optimizer: bool,
+    extras: Iterable[str],
+    keep: Callable[[str], bool] | None = None,
+) -> dict[str, Any]:
+    """Read `directory` into this rank's tensors (DCP writes straight into them): every
+    entry of the model (and of the optimizer), or those whose key `keep` keeps, and the
+    objects `extras` (DCP replaces their values)."""
     reader = FileSystemReader(directory)
     metadata = reader.read_metadata()
-    dest: dict[str, Any] = dict(model_entries(engine))
-    if optimizer:
-        dest.update(optimizer_destinations(engine, metadata))
-    src = sync.rank % int(manifest["world_size"])
-    for key in (ENGINE, rank_key(src, "rng"), rank_key(src, "client_state")):
-        dest[key] = None
+    entries: dict[str, Any] = dict(model_entries(engine))
+    if optimizer:  # creates the state the optimizer has not made yet, as the checkpoint has it
+        entries.update(optimizer_destinations(engine, metadata))
+    dest = entries if keep is None else {k: v for k, v in entries.items() if keep(k)}
+    for key in extras:
+        dest[key] = entries.get(key)
     error = None
     try:  # each rank reads its own pieces: no collective (see _checkpoint_dcp.py)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"

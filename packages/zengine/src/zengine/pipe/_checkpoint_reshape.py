@@ -15,25 +15,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-from zengine._checkpoint import _failures, _sync, _verify
-from zengine._checkpoint_errors import CorruptCheckpointError
-from zengine._checkpoint_pieces import PieceLoadPlanner
+from zengine._checkpoint import _sync, _verify, read_entries
 from zengine._checkpoint_state import (
     ENGINE,
     PARAM_GROUPS,
     apply_engine_state,
     apply_optimizer_objects,
     apply_rng,
-    model_entries,
-    optimizer_destinations,
     rank_key,
 )
 from zengine._checkpoint_sync import Sync
@@ -90,24 +81,15 @@ def _read(
     optimizer: bool,
 ) -> dict[str, Any]:
     """The entries of the names `take` and the objects `extras`, read from `directory` into
-    this rank's tensors (views: DCP writes straight into them)."""
-    reader = FileSystemReader(directory)
-    metadata = reader.read_metadata()
-    entries: dict[str, Any] = dict(model_entries(engine))
-    if optimizer:  # creates the state the optimizer has not made yet, as the checkpoint has it
-        entries.update(optimizer_destinations(engine, metadata))
-    dest = {k: v for k, v in entries.items() if _name_of(k) in take}
-    for key in extras:
-        dest[key] = entries.get(key)  # an object: DCP replaces the value
-    error = None
-    try:  # each rank reads its own pieces: no collective
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)
-    except CheckpointException as exc:
-        error = _failures(exc)
-    sync.agree(f"load_checkpoint({str(directory)!r}): reading", error, CorruptCheckpointError)
-    return dest
+    this rank's tensors."""
+    return read_entries(
+        engine,
+        sync,
+        directory,
+        optimizer=optimizer,
+        extras=extras,
+        keep=lambda key: _name_of(key) in take,
+    )
 
 
 def load_stage(
