@@ -191,6 +191,7 @@ class TestConfigOptimizer(DistributedTest):
             ({}, torch.optim.AdamW, True),  # DeepSpeed's Adam: decoupled decay, fused kernel
             ({"torch_adam": True}, torch.optim.AdamW, False),  # torch's per-tensor loop
             ({"adam_w_mode": False}, torch.optim.Adam, True),
+            ({"foreach": True}, torch.optim.AdamW, False),  # torch takes one or the other
         ],
     )
     def test_adam_from_the_config(
