@@ -132,7 +132,8 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a small GPT trained with ZeRO-3 on 2 processes (gloo on CPU, NCCL on GPU)."""
-    _install(session, _closure("zengine"))
+    # NumPy only quiets torch's "Failed to initialize NumPy" warning at every rank's start
+    _install(session, _closure("zengine"), "numpy")
     session.run(
         "torchrun",
         "--nproc-per-node=2",
