@@ -7,9 +7,8 @@ stage-specific lives in the layout (_layouts.py); everything about the config in
 
 from __future__ import annotations
 
-import ctypes
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -18,60 +17,13 @@ from torch import nn
 import zcomm
 import zpartition
 from zengine._aio import nvme_offloader
+from zengine._host_memory import IdleTrimmer, trim_heap
 from zengine._offload_states import StateOffloader
 from zengine._progress import Progress
 from zengine._zero_optimizer import ZeroOptimizer
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = ["Engine"]
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [  # glibc's struct mallinfo2: ten size_t counters
-        (name, ctypes.c_size_t)
-        for name in [
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        ]
-    ]
-
-
-_TRIM_ABOVE = 64 << 20  # free heap bytes worth handing back
-
-
-def _host_trimmer(above: int = _TRIM_ABOVE) -> Callable[[], None]:
-    """glibc's ``malloc_trim`` when the heap holds much free memory, or nothing where there
-    is no glibc.
-
-    [Note: returning memory on CPU]
-    On CPU torch allocates with malloc. A ZeRO-3 step frees hundreds of MiB it gathered (full
-    parameters, full gradients, reduce buffers); glibc keeps that in its heap for reuse, so the
-    process's resident memory stays near the step's peak though the live tensors are only the
-    model states (measured: 1.25 GiB resident for 0.5 GiB of tensors, 0.87 GiB after a trim).
-    A trim costs about 10 ms on a large heap, and the next step pays again for faulting the
-    memory back in (measured: 10-15% of a step on the 2-core CPU machine), so it runs only when
-    more than 64 MiB are free, and only where stage 3 gathers (more than one rank).
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        trim, info = libc.malloc_trim, libc.mallinfo2
-    except (AttributeError, OSError):
-        return lambda: None
-    trim.argtypes, info.restype = [ctypes.c_size_t], _MallInfo2
-
-    def run() -> None:
-        if info().fordblks > above:
-            trim(0)
-
-    return run
 
 
 class Checkpoints(Protocol):
@@ -121,10 +73,9 @@ class Engine(nn.Module):
         self.micro_steps = 0  # backward passes taken
         self.progress = Progress(self, config)
         self._offloaded = StateOffloader(nvme_offloader(config.aio))
-        # Only what stage 3 gathers and frees every step is worth handing back: with one rank
-        # nothing is gathered (the shards are the parameters).
-        gathers = partitioned is not None and zcomm.get_world_size(optimizer.group) > 1
-        self._trim = _host_trimmer() if device.type == "cpu" and gathers else lambda: None
+        # Host memory freed by the steps goes back to the system when the engine sits idle
+        # ([Note: returning memory on CPU]); on a GPU the host heap hardly churns.
+        self._idle_trim = IdleTrimmer() if device.type == "cpu" else None
 
     # -- DeepSpeed's accessors -------------------------------------------------------------
 
@@ -155,6 +106,8 @@ class Engine(nn.Module):
     # -- the loop --------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._idle_trim is not None:
+            self._idle_trim.busy()
         with self.progress.timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -197,9 +150,10 @@ class Engine(nn.Module):
             stepped = self.optimizer.step()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            self._trim()
         self.global_steps += 1
         self.progress.after_step()
+        if self._idle_trim is not None:
+            self._idle_trim.idle()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
@@ -234,7 +188,7 @@ class Engine(nn.Module):
             non_blocking=non_blocking,
             nvme_path=nvme_path,
         )
-        _host_trimmer(0)()  # the freed memory goes back to the system now
+        trim_heap()  # the freed memory goes back to the system now
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states` moved, into the same tensors."""
@@ -293,3 +247,5 @@ class Engine(nn.Module):
             self.partitioned.remove(gather=False)
             self.partitioned = None
         self.optimizer.destroy()
+        if self._idle_trim is not None:
+            self._idle_trim.close()

@@ -1,0 +1,124 @@
+"""Handing freed host memory back to the system: at once (`trim_heap`), or once the engine has
+sat idle a while (`IdleTrimmer`).
+
+[Note: returning memory on CPU]
+On CPU torch allocates with malloc. A ZeRO-3 step frees hundreds of MiB it gathered (full
+parameters, full gradients, reduce buffers) and its activations; glibc keeps that in its heap
+for reuse, so the process's resident memory stays near the step's peak though the live tensors
+are only the model states (measured at hidden 1024, 2 ranks: 1.25 GiB resident for 0.5 GiB of
+tensors, 0.87 GiB after `malloc_trim`). Trimming after every step costs the next step what it
+takes to fault the memory back in (measured on the 2-core VM: 16 ms for the trim and about 9%
+of a step in page faults; a page costs about 3.4 us to fault and zero there). So, as jemalloc
+and Go's scavenger do, the heap is trimmed only once the engine has been idle for `IDLE_AFTER`
+seconds after an optimizer step: a training loop, whose next forward comes within
+milliseconds, keeps its heap warm; a process that has finished, evaluates, waits for data or
+lets another program run between steps gives the memory back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["IDLE_AFTER", "IdleTrimmer", "trim_heap"]
+
+IDLE_AFTER = 1.0  # seconds without a forward after a step before the heap is trimmed
+_TRIM_ABOVE = 64 << 20  # free heap bytes worth handing back
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [  # glibc's struct mallinfo2: ten size_t counters
+        (name, ctypes.c_size_t)
+        for name in [
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        ]
+    ]
+
+
+def _glibc_trimmer(above: int) -> Callable[[], None] | None:
+    """glibc's ``malloc_trim`` when the heap holds more than ``above`` bytes free; None where
+    there is no glibc. ctypes lets go of the GIL during both calls."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim, info = libc.malloc_trim, libc.mallinfo2
+    except (AttributeError, OSError):
+        return None
+    trim.argtypes, info.restype = [ctypes.c_size_t], _MallInfo2
+
+    def run() -> None:
+        if info().fordblks > above:
+            trim(0)
+
+    return run
+
+
+def trim_heap() -> None:
+    """Hand every free page of the heap back to the system now (where glibc is the malloc)."""
+    run = _glibc_trimmer(0)
+    if run is not None:
+        run()
+
+
+class IdleTrimmer:
+    """Trims the heap from a background thread once `idle` was called and `busy` was not
+    called again within ``after`` seconds. Without glibc it does nothing."""
+
+    def __init__(self, after: float = IDLE_AFTER, above: int = _TRIM_ABOVE) -> None:
+        self.after = after
+        self.trims = 0  # how many trims ran (for tests and curiosity)
+        self._run = _glibc_trimmer(above)
+        self._deadline: float | None = None  # when to trim; None: not armed
+        self._closed = False
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def idle(self) -> None:
+        """A step ended: trim if nothing starts within ``after`` seconds."""
+        if self._run is None:
+            return
+        with self._wake:
+            self._deadline = time.monotonic() + self.after
+            if self._thread is None or not self._thread.is_alive():  # (a fork has no thread)
+                self._thread = threading.Thread(
+                    target=self._loop, name="zengine-idle-trim", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def busy(self) -> None:
+        """Work started: the heap's free memory is about to be used again."""
+        self._deadline = None  # one store; the thread reads it under the lock
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        assert self._run is not None
+        while True:
+            with self._wake:
+                while not self._closed:
+                    if self._deadline is None:
+                        self._wake.wait()
+                        continue
+                    left = self._deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(left)
+                if self._closed:
+                    return
+                self._deadline = None
+            self._run()
+            self.trims += 1

@@ -1,0 +1,102 @@
+"""The heap goes back to the system when the engine sits idle after a step, not while it
+trains ([Note: returning memory on CPU])."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from zengine._host_memory import IdleTrimmer
+
+try:
+    ctypes.CDLL(None).malloc_trim  # noqa: B018
+    GLIBC = True
+except (AttributeError, OSError):
+    GLIBC = False
+
+needs_glibc = pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+
+
+def _wait_for(condition: object, seconds: float = 10.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@needs_glibc
+def test_an_idle_engine_trims_once() -> None:
+    trimmer = IdleTrimmer(after=0.05, above=0)
+    trimmer.idle()
+    assert _wait_for(lambda: trimmer.trims == 1)
+    time.sleep(0.2)
+    assert trimmer.trims == 1  # once per idle spell, not again and again
+    trimmer.idle()
+    assert _wait_for(lambda: trimmer.trims == 2)
+    trimmer.close()
+
+
+@needs_glibc
+def test_work_starting_within_the_delay_keeps_the_heap() -> None:
+    trimmer = IdleTrimmer(after=0.5, above=0)
+    for _ in range(5):  # a training loop: each step's forward comes at once
+        trimmer.idle()
+        trimmer.busy()
+    time.sleep(0.8)
+    assert trimmer.trims == 0
+    trimmer.close()
+
+
+@needs_glibc
+def test_a_closed_trimmer_stops_its_thread() -> None:
+    trimmer = IdleTrimmer(after=10.0, above=0)
+    trimmer.idle()
+    thread = trimmer._thread
+    assert thread is not None
+    assert thread.is_alive()
+    trimmer.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert trimmer.trims == 0
+
+
+@needs_glibc
+def test_the_freed_heap_leaves_the_resident_set() -> None:
+    # In a fresh process: 256 MiB of 1 MiB tensors in the heap, freed, then an idle spell.
+    # glibc's thresholds are held where a long run drifts them: large blocks in the heap,
+    # free() not trimming.
+    script = textwrap.dedent(
+        """
+        import ctypes, time, torch
+        from zengine._host_memory import IdleTrimmer
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: free() keeps the heap's top
+        def rss():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) >> 10
+        chunks = [torch.ones(1 << 18) for _ in range(256)]
+        del chunks
+        freed = rss()
+        trimmer = IdleTrimmer(after=0.05)
+        trimmer.idle()
+        end = time.monotonic() + 10
+        while trimmer.trims == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        print(freed, rss(), trimmer.trims)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, after, trims = map(int, out.stdout.split())
+    assert trims == 1
+    assert before - after >= 200, (before, after)
