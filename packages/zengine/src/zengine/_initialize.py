@@ -245,7 +245,13 @@ def _shards_to_nvme(
     if settings.device != "nvme":
         return
     assert settings.nvme_path is not None  # the config requires it with nvme
-    handle.set_shard_store(NvmeShardStore(settings.nvme_path, zcomm.get_rank()))
+    store = NvmeShardStore(
+        settings.nvme_path,
+        zcomm.get_rank(),
+        nvme_offloader(cfg.aio, "params"),
+        read_ahead=int(cfg.zero_optimization.stage3_prefetch_bucket_size),
+    )
+    handle.set_shard_store(store)
     layout.partitioned = handle  # the step brings every shard in, and sends them back after
 
 

@@ -1,16 +1,28 @@
 """``offload_param: {device: nvme}``: ZeRO-3 shards in files while their module is not running.
 
 zpartition hands a unit's shard here when it releases the unit and asks for it back before the
-next all-gather (its `ShardStore` protocol). A shard is written only when its bytes changed
-since they were last written (the optimizer step changes them, a forward does not), so a
-training step reads every shard once or twice and writes each once. The files live in a
-folder of their own under ``nvme_path``, removed when the engine is destroyed; they are scratch
-space for this process, not a checkpoint.
+next all-gather (its `ShardStore` protocol). Each shard is one zoffload handle, so its file is
+written and read as the optimizer state's are: large aligned requests, several in flight,
+O_DIRECT where the filesystem allows it (the shards do not sit in the page cache, which would
+keep in memory what offloading was meant to free), checked on the way back. A reload keeps
+the file, and a shard is written again only when its bytes changed since (the optimizer step
+changes them, a forward does not), so a training step reads every shard once or twice and
+writes each once. The files live in a folder of their own under ``nvme_path``, removed when
+the engine is destroyed; they are scratch space for this process, not a checkpoint.
+
+[Note: reading shards ahead]
+Read from disk (not from the page cache), a shard fetched only when its all-gather starts
+would stall the forward for the whole read. So the store learns the order shards are fetched
+in, as zpartition's coordinator learns the order of modules: after shards ``a, b`` came ``c``
+last time (two shards of context tell a forward's ``b`` from a backward's; ``b`` alone where
+the pair is new), and on each fetch it starts reading the shards that followed last time, on
+zoffload's threads, up to ``read_ahead`` elements (the config's `stage3_prefetch_bucket_size`).
+The forward then finds them in memory or on their way. A wrong guess costs memory until the
+shard's next release, never correctness: every fetch waits for its own shards.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import tempfile
@@ -20,73 +32,80 @@ from pathlib import Path
 
 import torch
 
+import zoffload
+
 __all__ = ["NvmeShardStore"]
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The host bytes of a contiguous CPU tensor, writable, without a copy."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 class NvmeShardStore:
     """Shards kept in one file each under a private folder of `nvme_path`."""
 
-    def __init__(self, nvme_path: str | os.PathLike[str], rank: int) -> None:
+    def __init__(
+        self,
+        nvme_path: str | os.PathLike[str],
+        rank: int,
+        offloader: zoffload.Offloader | None = None,
+        read_ahead: int = 0,
+    ) -> None:
         Path(nvme_path).mkdir(parents=True, exist_ok=True)
         self.folder = Path(tempfile.mkdtemp(prefix=f"zengine-params-rank{rank}-", dir=nvme_path))
-        self._files: dict[int, tuple[Path, int]] = {}  # id(shard) -> (file, version written)
-        self._sizes: dict[int, int] = {}  # id(shard) -> its bytes
+        self.offloader = offloader or zoffload.default_offloader()  # the config's `aio`, if any
+        # id(shard) -> its handle and the shard's version its file holds (the handle keeps the
+        # shard alive, so the id is not reused)
+        self._held: dict[int, tuple[zoffload.OffloadHandle, int]] = {}
+        self.read_ahead = read_ahead  # elements of shards to read before they are asked for
+        self._context: tuple[int, int] = (0, 0)  # the last two shards fetched (ids)
+        self._after_two: dict[tuple[int, int], int] = {}  # context -> the shard fetched next
+        self._after_one: dict[int, int] = {}  # the last shard -> the shard fetched next
         # the files go when the store does, or at exit, whichever comes first
         self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
 
     def evict(self, shard: torch.Tensor) -> None:
-        storage = shard.untyped_storage()
-        if storage.nbytes() == 0:
+        if shard.untyped_storage().nbytes() == 0:
             return  # away already
         if shard.device.type != "cpu":
             raise ValueError("offload_param to NVMe keeps shards on the host; this one is not")
-        key = id(shard)
-        written = self._files.get(key)
-        if written is None or written[1] != shard._version:
-            path = written[0] if written is not None else self.folder / f"shard-{len(self._files)}"
-            self._write(path, _bytes_of(shard))
-            self._files[key] = (path, shard._version)
-        self._sizes[key] = storage.nbytes()
-        storage.resize_(0)
+        held = self._held.get(id(shard))
+        if held is None:
+            handle = self.offloader.offload({"shard": shard}, "nvme", nvme_path=self.folder)
+        else:
+            handle, written = held
+            handle.offload(rewrite=shard._version != written)
+        self._held[id(shard)] = (handle, shard._version)
 
     def fetch(self, shards: Sequence[torch.Tensor]) -> None:
+        coming = [h for h in map(self._reload, shards) if h is not None]  # read side by side
         for shard in shards:
-            storage = shard.untyped_storage()
-            key = id(shard)
-            if storage.nbytes() != 0 or key not in self._files:
-                continue
-            storage.resize_(self._sizes[key])
-            self._read(self._files[key][0], _bytes_of(shard))
+            self._after_two[self._context] = self._after_one[self._context[1]] = id(shard)
+            self._context = (self._context[1], id(shard))
+        self._read_ahead()
+        for handle in coming:
+            handle.wait()
 
-    @staticmethod
-    def _write(path: Path, data: memoryview) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            done = 0
-            while done < len(data):
-                done += os.write(fd, data[done:])
-        finally:
-            os.close(fd)
+    def _reload(self, shard: torch.Tensor | int) -> zoffload.OffloadHandle | None:
+        """Start reading the shard back if it is away; its handle if it is on its way."""
+        held = self._held.get(shard if isinstance(shard, int) else id(shard))
+        if held is None:
+            return None
+        handle = held[0]
+        if handle.offloaded:
+            handle.reload(non_blocking=True, keep=True)
+        return None if handle.state == "resident" else handle
 
-    @staticmethod
-    def _read(path: Path, into: memoryview) -> None:
-        with open(path, "rb", buffering=0) as f:
-            done = 0
-            while done < len(into):
-                got = f.readinto(into[done:])
-                if not got:
-                    raise OSError(
-                        f"offload_param: {path} is shorter than its shard ({len(into)} bytes)"
-                    )
-                done += got
+    def _read_ahead(self) -> None:
+        """[Note: reading shards ahead]"""
+        context, budget, seen = self._context, self.read_ahead, set()
+        while budget > 0 and context not in seen:
+            seen.add(context)
+            key = self._after_two.get(context, self._after_one.get(context[1]))
+            held = None if key is None else self._held.get(key)
+            if key is None or held is None:
+                break
+            self._reload(key)
+            budget -= held[0].nbytes // held[0].tensors["shard"].element_size()
+            context = (context[1], key)
 
     def close(self) -> None:
         """Remove the files (the engine is done with the shards)."""
         self._remove()
-        self._files.clear()
+        self._held.clear()

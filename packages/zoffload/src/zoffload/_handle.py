@@ -68,6 +68,7 @@ class OffloadHandle:
         self._state = "offloading"
         self._region: HostRegion | None = None  # device=cpu: where the bytes are
         self._manifest: FileManifest | None = None  # device=nvme: the file that holds them
+        self._file: Path | None = None  # device=nvme: where the file goes, at every offload
         self._direct_io: bool | None = None
         # The transfer in flight: a background job and/or CUDA events, then `_finish` once.
         self._future: Future[None] | None = None
@@ -114,7 +115,8 @@ class OffloadHandle:
 
     @property
     def path(self) -> Path | None:
-        """The NVMe file holding the bytes (``device=nvme``, while offloaded)."""
+        """The NVMe file holding the bytes (``device=nvme``: while offloaded, or kept by
+        ``reload(keep=True)``)."""
         return None if self._manifest is None else self._manifest.path
 
     @property
@@ -179,15 +181,16 @@ class OffloadHandle:
     # -- offload --------------------------------------------------------------------------
 
     def _offload(self, *, non_blocking: bool, nvme_file: Path | None) -> None:
-        """Start the offload (called once, by the offloader)."""
+        """Start an offload (the offloader's first, or `offload` again)."""
         _registry.add(self._keys, self)
         try:
             if self._verify:
                 for slot in self._slots:
                     slot.fingerprint = fingerprint(byte_view(slot.storage))
             if self._device == OffloadDeviceEnum.nvme:
-                assert nvme_file is not None
-                self._offload_nvme(nvme_file, non_blocking=non_blocking)
+                self._file = nvme_file or self._file
+                assert self._file is not None
+                self._offload_nvme(self._file, non_blocking=non_blocking)
             elif self._device == OffloadDeviceEnum.cpu:
                 self._offload_host(non_blocking=non_blocking)
             else:
@@ -251,13 +254,17 @@ class OffloadHandle:
 
     # -- reload ---------------------------------------------------------------------------
 
-    def reload(self, *, non_blocking: bool = False) -> OffloadHandle:
+    def reload(self, *, non_blocking: bool = False, keep: bool = False) -> OffloadHandle:
         """Refill the same storages with the offloaded bytes and give the host memory back.
 
         With ``non_blocking=True`` the copies may still run when this returns (see the module
         docstring); call `wait` before reading the tensors on the host. Errors of a file that
         is missing, truncated or corrupt name the file (`OffloadFileError`), and leave the
         handle offloaded so nothing half-filled is mistaken for good data.
+
+        ``keep=True`` keeps the copy (host memory or file) after the bytes are back, so that
+        `offload` with ``rewrite=False`` can empty the tensors again without moving a byte
+        (for state swapped in and out often and changed seldom, as parameter shards are).
         """
         self.wait()  # an offload still in flight completes first (and raises if it failed)
         if self._state != "offloaded":
@@ -266,9 +273,9 @@ class OffloadHandle:
         self._state = "reloading"
         try:
             if self._device == OffloadDeviceEnum.cpu:
-                self._reload_host()
+                self._reload_host(keep)
             elif self._device == OffloadDeviceEnum.nvme:
-                self._reload_nvme(non_blocking=non_blocking)
+                self._reload_nvme(non_blocking=non_blocking, keep=keep)
             else:
                 self._start(finish=self._resident)
         except BaseException:
@@ -278,7 +285,7 @@ class OffloadHandle:
             self.wait()
         return self
 
-    def _reload_host(self) -> None:
+    def _reload_host(self, keep: bool) -> None:
         region = self._region
         assert region is not None
         events = []
@@ -290,12 +297,12 @@ class OffloadHandle:
                 for slot in seg.slots:
                     src = region.tensor[slot.offset : slot.offset + slot.nbytes]
                     byte_view(slot.storage).copy_(src)
-        # The pool may lend the region again once the copies have read it.
-        self._region = None
-        region.release(_AllOf(events) if events else None)
+        if not keep:  # the pool may lend the region again once the copies have read it
+            self._region = None
+            region.release(_AllOf(events) if events else None)
         self._start(events=events, finish=self._resident)
 
-    def _reload_nvme(self, *, non_blocking: bool) -> None:
+    def _reload_nvme(self, *, non_blocking: bool, keep: bool) -> None:
         manifest = self._manifest
         assert manifest is not None
         fences = _fences(self.devices)
@@ -305,8 +312,8 @@ class OffloadHandle:
             io.read(manifest, self._slots, pinned=self._pinned, fences=fences)
 
         def finish() -> None:
-            manifest.path.unlink(missing_ok=True)
-            self._manifest = None
+            if not keep:
+                self._drop_copy()
             self._resident()
 
         if not non_blocking:
@@ -314,6 +321,47 @@ class OffloadHandle:
             self._start(finish=finish)
             return
         self._start(future=self._offloader.background(job), finish=finish)
+
+    def offload(self, *, rewrite: bool = True, non_blocking: bool = False) -> OffloadHandle:
+        """Empty the same tensors again after a `reload` (the same names, the same file).
+
+        ``rewrite=False`` with a copy kept by ``reload(keep=True)`` only frees the storages:
+        the caller vouches that no byte changed since the reload (a ``verify`` handle checks
+        it). Otherwise the bytes move as at the first offload.
+        """
+        self.wait()
+        if self._state != "resident":
+            raise OffloadError(f"offload: the handle is {self._state}, not resident ({self!r})")
+        resized = [s.label for s in self._slots if s.storage.nbytes() != s.nbytes]
+        if resized:
+            raise OffloadError(f"offload: {', '.join(resized)} changed size since the reload")
+        if not rewrite and (self._region is not None or self._manifest is not None):
+            changed = self._mismatches() if self._verify else []
+            if changed:
+                raise OffloadChecksumError(changed, "changed since the reload (rewrite=False)")
+            _registry.add(self._keys, self)
+            self._free()
+            self._state = "offloaded"
+            return self
+        self._drop_copy(unlink=False)  # the new file takes the old one's name, atomically
+        self._state = "offloading"
+        self._offload(non_blocking=non_blocking, nvme_file=None)
+        return self
+
+    def discard_copy(self) -> None:
+        """Give back the copy that ``reload(keep=True)`` kept (its host memory, its file)."""
+        self.wait()  # a reload still reading the copy finishes first
+        if self.offloaded:
+            raise OffloadError(f"discard_copy: the copy is where the bytes are ({self!r})")
+        self._drop_copy()
+
+    def _drop_copy(self, *, unlink: bool = True) -> None:
+        region, self._region = self._region, None
+        if region is not None:
+            region.release()
+        manifest, self._manifest = self._manifest, None
+        if manifest is not None and unlink:
+            manifest.path.unlink(missing_ok=True)
 
     def _resident(self) -> None:
         bad = self._mismatches() if self._verify else []

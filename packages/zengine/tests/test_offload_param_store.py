@@ -1,0 +1,98 @@
+"""The NVMe store behind ``offload_param: {device: nvme}``, on real files: shards come back
+bit-exact, unchanged shards are not written again, and shards are read ahead in the order
+they were fetched before ([Note: reading shards ahead])."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zengine._offload_param import NvmeShardStore
+
+NUMEL = 10_000
+
+
+def away(shard: torch.Tensor) -> bool:
+    return shard.untyped_storage().nbytes() == 0
+
+
+def store_of(
+    tmp_path: Path, read_ahead: int
+) -> tuple[NvmeShardStore, list[torch.Tensor], list[torch.Tensor]]:
+    """A store holding five shards (evicted), and copies of their values."""
+    store = NvmeShardStore(tmp_path, rank=0, read_ahead=read_ahead)
+    shards = [torch.randn(NUMEL) for _ in range(5)]
+    expected = [s.clone() for s in shards]
+    for shard in shards:
+        store.evict(shard)
+    return store, shards, expected
+
+
+def settle(store: NvmeShardStore, shards: list[torch.Tensor]) -> None:
+    """Wait for reads in flight (what the next fetch would do)."""
+    for shard in shards:
+        handle = store._held[id(shard)][0]
+        handle.wait()
+
+
+def test_shards_come_back_and_unchanged_ones_are_not_rewritten(tmp_path: Path) -> None:
+    store, shards, expected = store_of(tmp_path, read_ahead=0)
+    assert all(map(away, shards))
+    store.fetch(shards)
+    assert all(torch.equal(s, e) for s, e in zip(shards, expected, strict=True))
+    files = {p: p.stat().st_ino for p in store.folder.iterdir()}
+    assert len(files) == len(shards)
+    shards[2].mul_(3)  # an optimizer step on one shard
+    for shard in shards:
+        store.evict(shard)
+    rewritten = [p for p, inode in files.items() if p.stat().st_ino != inode]
+    assert len(rewritten) == 1
+    store.fetch(shards)
+    assert torch.equal(shards[2], expected[2] * 3)
+    assert torch.equal(shards[0], expected[0])
+    store.close()
+    assert not store.folder.exists()
+
+
+def test_the_next_shards_are_read_before_they_are_asked_for(tmp_path: Path) -> None:
+    store, shards, _ = store_of(tmp_path, read_ahead=2 * NUMEL)
+    for shard in shards:  # a forward: one unit after the other; the store learns the order
+        store.fetch([shard])
+    for shard in shards:
+        store.evict(shard)
+    store.fetch([shards[0]])
+    settle(store, shards)
+    # the two that followed the first last time, and no more (the budget)
+    assert [away(s) for s in shards] == [False, False, False, True, True]
+    store.fetch([shards[1]])
+    settle(store, shards)
+    assert [away(s) for s in shards] == [False, False, False, False, True]
+    store.close()
+
+
+def test_a_backward_order_is_told_from_a_forward_one(tmp_path: Path) -> None:
+    store, shards, _ = store_of(tmp_path, read_ahead=NUMEL)
+    for order in (shards, shards[::-1]):  # forward then backward, each unit fetched again
+        for shard in order:
+            store.fetch([shard])
+            store.evict(shard)
+    # a backward again: after 4, 3 comes 2 (a forward's 3 would be followed by 4)
+    store.fetch([shards[4]])
+    store.evict(shards[4])
+    store.fetch([shards[3]])
+    settle(store, shards)
+    assert not away(shards[2])
+    assert away(shards[4])
+    store.close()
+
+
+def test_a_wrong_guess_costs_memory_not_values(tmp_path: Path) -> None:
+    store, shards, expected = store_of(tmp_path, read_ahead=10 * NUMEL)
+    store.fetch(shards)  # learnt: 0, 1, 2, 3, 4
+    for shard in shards:
+        store.evict(shard)
+    store.fetch([shards[4], shards[0]])  # another order: reads ahead what it no longer needs
+    store.fetch(shards)
+    assert all(torch.equal(s, e) for s, e in zip(shards, expected, strict=True))
+    store.close()
