@@ -100,3 +100,11 @@ def test_the_freed_heap_leaves_the_resident_set() -> None:
     before, after, trims = map(int, out.stdout.split())
     assert trims == 1
     assert before - after >= 200, (before, after)
+
+
+def test_a_disabled_trimmer_starts_nothing() -> None:
+    trimmer = IdleTrimmer(after=0.01, above=0, enabled=False)  # an engine on a GPU
+    trimmer.idle()
+    time.sleep(0.1)
+    assert trimmer._thread is None
+    assert trimmer.trims == 0

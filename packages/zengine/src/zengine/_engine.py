@@ -75,7 +75,7 @@ class Engine(nn.Module):
         self._offloaded = StateOffloader(nvme_offloader(config.aio))
         # Host memory freed by the steps goes back to the system when the engine sits idle
         # ([Note: returning memory on CPU]); on a GPU the host heap hardly churns.
-        self._idle_trim = IdleTrimmer() if device.type == "cpu" else None
+        self._idle_trim = IdleTrimmer(enabled=device.type == "cpu")
 
     # -- DeepSpeed's accessors -------------------------------------------------------------
 
@@ -106,8 +106,7 @@ class Engine(nn.Module):
     # -- the loop --------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._idle_trim is not None:
-            self._idle_trim.busy()
+        self._idle_trim.busy()
         with self.progress.timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -152,8 +151,7 @@ class Engine(nn.Module):
                 self.lr_scheduler.step()
         self.global_steps += 1
         self.progress.after_step()
-        if self._idle_trim is not None:
-            self._idle_trim.idle()
+        self._idle_trim.idle()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
@@ -247,5 +245,4 @@ class Engine(nn.Module):
             self.partitioned.remove(gather=False)
             self.partitioned = None
         self.optimizer.destroy()
-        if self._idle_trim is not None:
-            self._idle_trim.close()
+        self._idle_trim.close()

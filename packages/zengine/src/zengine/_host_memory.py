@@ -72,12 +72,14 @@ def trim_heap() -> None:
 
 class IdleTrimmer:
     """Trims the heap from a background thread once `idle` was called and `busy` was not
-    called again within ``after`` seconds. Without glibc it does nothing."""
+    called again within ``after`` seconds. Without glibc, or not ``enabled``, it does nothing."""
 
-    def __init__(self, after: float = IDLE_AFTER, above: int = _TRIM_ABOVE) -> None:
+    def __init__(
+        self, after: float = IDLE_AFTER, above: int = _TRIM_ABOVE, *, enabled: bool = True
+    ) -> None:
         self.after = after
         self.trims = 0  # how many trims ran (for tests and curiosity)
-        self._run = _glibc_trimmer(above)
+        self._run = _glibc_trimmer(above) if enabled else None
         self._deadline: float | None = None  # when to trim; None: not armed
         self._closed = False
         self._wake = threading.Condition()

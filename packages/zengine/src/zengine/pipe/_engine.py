@@ -164,6 +164,7 @@ class PipelineEngine(Engine):
                 self._data_iterator = _repeat(self.training_dataloader)
             data_iter = self._data_iterator
         self.module.train()
+        self._idle_trim.busy()
         self.optimizer.layout.before_backward()
         run = BatchRun(self, self._schedule(self.train_schedule_cls), data_iter, train=True)
         run.execute()
@@ -173,6 +174,7 @@ class PipelineEngine(Engine):
         self.global_samples += self.train_batch_size()
         self.progress.record_loss(loss)
         self.progress.after_step()
+        self._idle_trim.idle()  # [Note: returning memory on CPU]
         return loss
 
     def eval_batch(
@@ -185,6 +187,7 @@ class PipelineEngine(Engine):
         `return_logits`, the last stage's outputs per micro-batch; None on other stages).
         Without `compute_loss`, the outputs alone."""
         was_training = self.module.training
+        self._idle_trim.busy()
         self.module.eval()
         self.eval_computes_loss = compute_loss
         if self.chunks == 1:
