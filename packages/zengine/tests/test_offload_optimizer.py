@@ -122,10 +122,15 @@ class TestOffloadOptimizer(DistributedTest):
         try:
             offload = {"device": "nvme", "nvme_path": str(folder)}
             extra = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
-            engine, reference = _engine(3, {"offload_optimizer": offload}, **extra)
+            # the parameters too: their shards are held through the backward before a step
+            zero = {"offload_optimizer": offload, "offload_param": offload}
+            engine, reference = _engine(3, zero, **extra)
             plain, _ = _engine(3, {}, **extra)
             data = global_batches(8, 2 * world_size)
             torch.testing.assert_close(_train(engine, data), _train(plain, data), rtol=1e-6, atol=0)
+            assert engine.partitioned is not None
+            away = [u for u in engine.partitioned.units if not u.persistent]
+            assert all(u.shard.untyped_storage().nbytes() == 0 for u in away)
             del reference
         finally:
             shutil.rmtree(folder, ignore_errors=True)

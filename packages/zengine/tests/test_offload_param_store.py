@@ -96,3 +96,20 @@ def test_a_wrong_guess_costs_memory_not_values(tmp_path: Path) -> None:
     store.fetch(shards)
     assert all(torch.equal(s, e) for s, e in zip(shards, expected, strict=True))
     store.close()
+
+
+def test_held_shards_stay_in_memory_until_the_hold_ends(tmp_path: Path) -> None:
+    # the engine holds them through the backward before a step, which needs them all
+    store, shards, expected = store_of(tmp_path, read_ahead=0)
+    store.fetch(shards)
+    store.holding = True
+    for shard in shards:
+        store.evict(shard)
+    assert not any(map(away, shards))
+    store.holding = False
+    for shard in shards:
+        store.evict(shard)
+    assert all(map(away, shards))
+    store.fetch(shards)
+    assert all(torch.equal(s, e) for s, e in zip(shards, expected, strict=True))
+    store.close()

@@ -125,7 +125,7 @@ class Engine(nn.Module):
         with self.progress.timed("backward"):
             if boundary:
                 self.optimizer.prefetch_states()  # NVMe offload: read while backward runs
-            self.optimizer.layout.before_backward()
+            self.optimizer.layout.before_backward(boundary)
             scaled = loss.float()
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 scaled = scaled / self.gradient_accumulation_steps()

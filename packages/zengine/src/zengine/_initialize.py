@@ -252,6 +252,7 @@ def _shards_to_nvme(
         read_ahead=int(cfg.zero_optimization.stage3_prefetch_bucket_size),
     )
     handle.set_shard_store(store)
+    layout.shard_store = store
     layout.partitioned = handle  # the step brings every shard in, and sends them back after
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 import zcomm
 import zpartition
+from zengine._offload_param import NvmeShardStore
 from zengine._partitions import Partitions
 from zpartition import ZeroParameter
 
@@ -124,7 +125,7 @@ class FlatLayout:
         size = self._sizes[g]
         return flat if self.stage == 0 else flat[self.rank * size : (self.rank + 1) * size]
 
-    def before_backward(self) -> None:
+    def before_backward(self, boundary: bool) -> None:
         """Point every ``.grad`` at the flat gradient buffer again (``zero_grad`` may have
         set them to None), so autograd accumulates there."""
         for params, views in zip(self.params, self.grad_views, strict=True):
@@ -202,6 +203,7 @@ class ShardedLayout:
         self._same_device = master_device == shard_device  # foreach copies need one device
         # set with offload_param to NVMe: its shards must be in memory for the step
         self.partitioned: zpartition.Partitioned | None = None
+        self.shard_store: NvmeShardStore | None = None
         if not self.aliased:
             self._copy(self._masters, self._shards)  # type: ignore[arg-type]
 
@@ -212,8 +214,12 @@ class ShardedLayout:
             if mine is not None:  # frozen parameters have no master
                 _add_into(mine, grad)
 
-    def before_backward(self) -> None:
-        pass
+    def before_backward(self, boundary: bool) -> None:
+        if boundary and self.shard_store is not None:
+            # offload_param to NVMe: the step needs every shard right after this backward, so
+            # the shards its modules release stay in memory instead of a write-free trip to
+            # disk and an immediate read back
+            self.shard_store.holding = True
 
     def after_backward(self, boundary: bool) -> None:
         pass  # zpartition reduced the gradients during backward
@@ -225,6 +231,8 @@ class ShardedLayout:
     def write_back(self) -> None:
         if not self.aliased:
             self._copy(self._shards, self._masters)  # type: ignore[arg-type]
+        if self.shard_store is not None:
+            self.shard_store.holding = False
         if self.partitioned is not None:
             self.partitioned.evict_shards()
 

@@ -23,6 +23,7 @@ shard's next release, never correctness: every fetch waits for its own shards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -54,6 +55,9 @@ class NvmeShardStore:
         # shard alive, so the id is not reused)
         self._held: dict[int, tuple[zoffload.OffloadHandle, int]] = {}
         self.read_ahead = read_ahead  # elements of shards to read before they are asked for
+        # While True, evicted shards stay in memory (the engine sets it for the backward just
+        # before an optimizer step, which needs them all); the protocol allows it.
+        self.holding = False
         self._context: tuple[int, int] = (0, 0)  # the last two shards fetched (ids)
         self._after_two: dict[tuple[int, int], int] = {}  # context -> the shard fetched next
         self._after_one: dict[int, int] = {}  # the last shard -> the shard fetched next
@@ -61,10 +65,12 @@ class NvmeShardStore:
         self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
 
     def evict(self, shard: torch.Tensor) -> None:
-        if shard.untyped_storage().nbytes() == 0:
-            return  # away already
+        if shard.untyped_storage().nbytes() == 0 or self.holding:
+            return  # away already, or kept for the step
         if shard.device.type != "cpu":
             raise ValueError("offload_param to NVMe keeps shards on the host; this one is not")
+        # Written before it returns: in the background, the first shards of the next forward
+        # would wait for their write and then read it back (measured: slower).
         held = self._held.get(id(shard))
         if held is None:
             handle = self.offloader.offload({"shard": shard}, "nvme", nvme_path=self.folder)
@@ -107,5 +113,8 @@ class NvmeShardStore:
 
     def close(self) -> None:
         """Remove the files (the engine is done with the shards)."""
+        for handle, _ in self._held.values():
+            with contextlib.suppress(zoffload.OffloadError):  # the files go anyway
+                handle.wait()  # no read ahead still uses the folder
         self._remove()
         self._held.clear()
