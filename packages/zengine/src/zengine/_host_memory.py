@@ -17,9 +17,11 @@ lets another program run between steps gives the memory back.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 __all__ = ["IDLE_AFTER", "IdleTrimmer", "trim_heap"]
@@ -96,6 +98,7 @@ class IdleTrimmer:
                     target=self._loop, name="zengine-idle-trim", daemon=True
                 )
                 self._thread.start()
+                _running.add(self)
             self._wake.notify()
 
     def busy(self) -> None:
@@ -103,9 +106,13 @@ class IdleTrimmer:
         self._deadline = None  # one store; the thread reads it under the lock
 
     def close(self) -> None:
+        """Stop the thread, and wait for it (a trim under way takes milliseconds)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
 
     def _loop(self) -> None:
         assert self._run is not None
@@ -124,3 +131,14 @@ class IdleTrimmer:
                 self._deadline = None
             self._run()
             self.trims += 1
+
+
+# Threads are stopped while the interpreter still runs: a daemon thread inside malloc_trim
+# when the interpreter finalizes would be cut off as it takes the GIL back.
+_running: weakref.WeakSet[IdleTrimmer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for trimmer in list(_running):
+        trimmer.close()
