@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Literal
 
 import zoffload
 from zengine._config_sections import AioConfig
@@ -15,7 +16,9 @@ log = logging.getLogger("zengine")
 
 
 @functools.cache  # one per setting and use: engines alike share its threads
-def nvme_offloader(aio: AioConfig | None, use: str = "states") -> zoffload.Offloader:
+def nvme_offloader(
+    aio: AioConfig | None, use: Literal["states", "params"] = "states"
+) -> zoffload.Offloader:
     """The offloader for ``use``: ``states`` (optimizer state swaps, `offload_states`) or
     ``params`` (`offload_param` shards). Parameter shards get threads of their own: a forward
     waits for them, and must not queue behind the optimizer state read ahead of the step."""
