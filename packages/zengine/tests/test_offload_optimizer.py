@@ -202,6 +202,31 @@ class TestOffloadParam(DistributedTest):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @pytest.mark.parametrize("precision", ["bf16", "fp16"])
+    def test_zero_infinity_in_half_precision(self, world_size: int, precision: str) -> None:
+        """Shards in bf16/fp16 on NVMe, fp32 masters and Adam state on NVMe: the same losses
+        as the run that keeps everything in memory (the bytes come back exactly)."""
+        folder = _folder()
+        try:
+            offload = {"device": "nvme", "nvme_path": str(folder)}
+            half = {precision: {"enabled": True, "initial_scale_power": 8}}
+            if precision == "bf16":
+                half = {"bf16": {"enabled": True}}
+            zero = {"offload_param": offload, "offload_optimizer": offload}
+            engine, _ = _engine(3, zero, **half)
+            plain, _ = _engine(3, {}, **half)
+            data = global_batches(5, 2 * world_size)
+            torch.testing.assert_close(_train(engine, data), _train(plain, data), rtol=0, atol=0)
+            assert engine.partitioned is not None
+            shards = [u.shard for u in engine.partitioned.units if not u.persistent]
+            assert shards
+            assert all(s.dtype != torch.float32 for s in shards)
+            assert all(s.untyped_storage().nbytes() == 0 for s in shards)
+            engine.destroy()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     @pytest.mark.parametrize("world_size", [1])
     def test_bad_offload_settings_are_named(self, world_size: int) -> None:
         torch.manual_seed(0)
