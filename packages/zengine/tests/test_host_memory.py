@@ -10,8 +10,13 @@ import textwrap
 import time
 
 import pytest
+import torch
 
+import zengine
+from zcomm.testing import DistributedTest
 from zengine._host_memory import IdleTrimmer
+
+from ._models import TinyGPT, global_batches
 
 try:
     ctypes.CDLL(None).malloc_trim  # noqa: B018
@@ -108,3 +113,33 @@ def test_a_disabled_trimmer_starts_nothing() -> None:
     time.sleep(0.1)
     assert trimmer._thread is None
     assert trimmer.trims == 0
+
+
+class TestEngineIdle(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_a_step_or_an_evaluation_arms_the_trim_and_training_disarms_it(
+        self, world_size: int
+    ) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3},
+        }
+        engine, *_ = zengine.initialize(model=model, config=config)
+        trimmer = engine._idle_trim
+        tokens = global_batches(1, 2)[0]
+        armed = lambda: trimmer._deadline is not None  # noqa: E731
+        loss = engine(tokens)
+        assert not armed()
+        engine.backward(loss)
+        engine.step()
+        assert armed()  # the loop may be over: give the heap back if nothing comes
+        engine.backward(engine(tokens))
+        assert not armed()  # it was not: the next forward came at once
+        engine.step()
+        with torch.no_grad():
+            engine(tokens)
+        assert armed()  # an evaluation has no backward to wait for
+        engine.destroy()

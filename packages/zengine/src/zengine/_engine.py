@@ -108,7 +108,10 @@ class Engine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._idle_trim.busy()
         with self.progress.timed("forward"):
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            self._idle_trim.idle()  # an evaluation: no backward follows
+        return output
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True

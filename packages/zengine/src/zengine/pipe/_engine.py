@@ -199,6 +199,7 @@ class PipelineEngine(Engine):
             run.execute()
         finally:
             self.module.train(was_training)
+            self._idle_trim.idle()
         outputs = [run.outputs[k] for k in sorted(run.outputs)] if self.is_last_stage() else None
         if not compute_loss:
             return outputs
