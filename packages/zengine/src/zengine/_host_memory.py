@@ -10,9 +10,9 @@ tensors, 0.87 GiB after `malloc_trim`). Trimming after every step costs the next
 takes to fault the memory back in (measured on the 2-core VM: 16 ms for the trim and about 9%
 of a step in page faults; a page costs about 3.4 us to fault and zero there). So, as jemalloc
 and Go's scavenger do, the heap is trimmed only once the engine has been idle for `IDLE_AFTER`
-seconds after an optimizer step: a training loop, whose next forward comes within
-milliseconds, keeps its heap warm; a process that has finished, evaluates, waits for data or
-lets another program run between steps gives the memory back.
+seconds after an optimizer step or an evaluation (a forward without gradients): a training
+loop, whose next forward comes within milliseconds, keeps its heap warm; a process that has
+finished, waits for data or lets another program run between steps gives the memory back.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 __all__ = ["IDLE_AFTER", "IdleTrimmer", "trim_heap"]
 
-IDLE_AFTER = 1.0  # seconds without a forward after a step before the heap is trimmed
+IDLE_AFTER = 1.0  # seconds without a forward after a step (or an evaluation) before a trim
 _TRIM_ABOVE = 64 << 20  # free heap bytes worth handing back
 
 
