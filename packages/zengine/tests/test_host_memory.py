@@ -4,6 +4,8 @@ trains ([Note: returning memory on CPU])."""
 from __future__ import annotations
 
 import ctypes
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -143,3 +145,20 @@ class TestEngineIdle(DistributedTest):
             engine(tokens)
         assert armed()  # an evaluation has no backward to wait for
         engine.destroy()
+
+
+@needs_glibc
+def test_a_forked_child_trims_on_its_own() -> None:
+    trimmer = IdleTrimmer(after=0.05, above=0)
+    trimmer.idle()
+    with trimmer._wake:  # the parent's thread holds the lock while the fork happens
+        pid = os.fork()
+        if pid == 0:  # the child: a fresh lock and a thread of its own
+            signal.alarm(10)  # a child stuck on the inherited lock dies instead of hanging
+            trimmer.idle()
+            ok = _wait_for(lambda: trimmer.trims >= 1, seconds=5)
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status)
+    assert os.WEXITSTATUS(status) == 0
+    trimmer.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import threading
 import time
 import weakref
@@ -142,3 +143,15 @@ _running: weakref.WeakSet[IdleTrimmer] = weakref.WeakSet()
 def _close_all() -> None:
     for trimmer in list(_running):
         trimmer.close()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) has no trim thread, and the parent's thread may
+    have held the lock at the fork: each trimmer starts afresh."""
+    for trimmer in list(_running):
+        trimmer._wake = threading.Condition()
+        trimmer._thread = None
+        trimmer._deadline = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
