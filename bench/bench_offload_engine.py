@@ -72,8 +72,8 @@ def _worker(mode: str, folder: str) -> None:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
     swapper = engine.optimizer.swapper
-    if swapper is not None and swapper._handle is not None:
-        swapper._handle.wait()  # the write of the last step is done: its memory is free
+    if swapper is not None:
+        swapper.wait()  # the write of the last step is done: its memory is free
     assert engine.partitioned is not None
     units = engine.partitioned.units
     state = [*engine.optimizer.stepped_tensors()]

@@ -50,13 +50,15 @@ class TestModelStateMemory(DistributedTest):
             model=model, config=_config(bf16={"enabled": bf16})
         )
         _step(engine, global_batches(1, 2)[0])
-        masters = optimizer.partitions.fp32_partitions_flat
-        assert (masters is None) == (not bf16)
-        held = masters.nbytes if masters is not None else 0
-        held += optimizer.grad_partitions_flat_buffer.nbytes
-        held += sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.dim())
         handle = engine.partitioned
         assert handle is not None
+        masters = optimizer.stepped_tensors()  # the fp32 masters, one per parameter
+        in_shards = {u.shard.untyped_storage().data_ptr() for u in handle.units}
+        own = [m for m in masters if m.untyped_storage().data_ptr() not in in_shards]
+        assert len(own) == (len(masters) if bf16 else 0)  # fp32 shards are their own masters
+        held = sum(m.nbytes for m in own)
+        held += optimizer.grad_partitions_flat_buffer.nbytes
+        held += sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.dim())
         held += sum(u.shard.nbytes for u in handle.units)
         persistent = [p for p in model.parameters() if p.ds_persist]
         held += sum(p.numel() * p.element_size() for p in persistent)  # gathered for good
@@ -129,17 +131,17 @@ class TestFp16(DistributedTest):
         engine, optimizer, *_ = zengine.initialize(model=model, config=_config(stage, fp16=fp16))
         tokens = global_batches(1, 2)[0]
         _step(engine, tokens)
-        masters = optimizer.partitions.fp32_partitions_flat.clone()
+        masters = torch.cat(optimizer.stepped_tensors())
         scale = optimizer.cur_scale
         loss = engine(tokens)
         engine.backward(loss * float("inf") if zcomm.get_rank() == 0 else loss)
         engine.step()
         assert optimizer.cur_scale == scale / 2
         assert optimizer.skipped_steps == 1
-        assert torch.equal(optimizer.partitions.fp32_partitions_flat, masters)
-        assert torch.isfinite(optimizer.partitions.fp32_partitions_flat).all()
+        assert torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
+        assert torch.isfinite(masters).all()
         _step(engine, tokens)  # and training goes on
-        assert not torch.equal(optimizer.partitions.fp32_partitions_flat, masters)
+        assert not torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
 
 
 class TestUserOptimizerAndScheduler(DistributedTest):

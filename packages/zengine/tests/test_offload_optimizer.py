@@ -95,8 +95,7 @@ class TestOffloadOptimizer(DistributedTest):
             assert zero.swapper is not None
             assert _swapped_out(zero)
             # the optimizer's tensors are the same objects, emptied once the write is done
-            assert zero.swapper._handle is not None
-            zero.swapper._handle.wait()
+            zero.swapper.wait()
             stepped = zero.stepped_tensors()
             states = [v for t in stepped for v in zero.state[t].values() if v.dim() > 0]
             expected = sum(t.numel() * t.element_size() for t in [*stepped, *states])
@@ -234,3 +233,68 @@ class TestOffloadParam(DistributedTest):
             zengine.initialize(
                 model=TinyGPT(), config=_config(0, {"offload_optimizer": {"device": "cpu"}})
             )
+
+
+def _tile_size(world_size: int, tiles: int = 4) -> int:
+    """A sub_group_size that cuts TinyGPT's shards into about `tiles` tiles per rank."""
+    return sum(p.numel() for p in TinyGPT().parameters()) // world_size // tiles
+
+
+class TestTiledStep(DistributedTest):
+    """[Note: tiled steps]: the step goes a few units at a time (``sub_group_size``)."""
+
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @pytest.mark.parametrize("offload", ["none", "nvme"])
+    def test_tiles_change_nothing_but_memory(self, world_size: int, offload: str) -> None:
+        folder = _folder()
+        try:
+            zero: dict[str, Any] = {}
+            if offload == "nvme":
+                nvme = {"device": "nvme", "nvme_path": str(folder)}
+                zero = {"offload_optimizer": nvme, "offload_param": nvme}
+            extra = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
+            tiled, _ = _engine(3, {**zero, "sub_group_size": _tile_size(world_size)}, **extra)
+            whole, _ = _engine(3, zero, **extra)
+            assert len(tiled.optimizer.tile_tensors()) >= 3
+            assert len(whole.optimizer.tile_tensors()) == 1
+            data = global_batches(6, 2 * world_size)
+            torch.testing.assert_close(_train(tiled, data), _train(whole, data), rtol=0, atol=0)
+            for a, b in zip(tiled.parameters(), whole.parameters(), strict=True):
+                full_a = zengine.safe_get_full_fp32_param(a)
+                full_b = zengine.safe_get_full_fp32_param(b)
+                assert full_a is not None
+                assert full_b is not None
+                assert torch.equal(full_a, full_b)
+            tiled.destroy()
+            whole.destroy()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_only_a_few_tiles_are_in_memory_during_the_step(self, world_size: int) -> None:
+        folder = _folder()
+        try:
+            nvme = {"device": "nvme", "nvme_path": str(folder)}
+            zero = {"offload_optimizer": nvme, "sub_group_size": _tile_size(world_size, 6)}
+            engine, _ = _engine(3, zero)
+            optimizer = engine.optimizer
+            tiles = optimizer.tile_tensors()
+            largest = max(sum(t.numel() for t in tile) for tile in tiles)
+            every = [t for tile in tiles for t in tile]
+            step = optimizer.optimizer.step
+            resident: list[int] = []
+
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                # the masters in memory while torch's step runs (their state goes with them)
+                resident.append(sum(t.numel() for t in every if t.untyped_storage().nbytes()))
+                return step(*args, **kwargs)
+
+            optimizer.optimizer.step = watched  # type: ignore[method-assign]
+            _train(engine, global_batches(3, 2 * world_size))
+            assert len(resident) == 3 * len(tiles)  # one torch step per tile
+            total = sum(t.numel() for t in every)
+            # the tile stepped, the next read ahead, the last being written: never them all
+            assert max(resident) <= 3 * largest < total
+            engine.destroy()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -270,8 +270,8 @@ class ZeroConfig(_Section):
     load_from_fp32_weights: bool = True
     """Accepted for DeepSpeed compatibility."""
     sub_group_size: Size = 1_000_000_000
-    """Accepted for DeepSpeed compatibility; the optimizer step is not tiled by it (every
-    master, and with ``offload_param`` every shard, is in host memory during the step)."""
+    """Stage 3: shard elements the optimizer steps at a time (whole modules), so that NVMe
+    offload holds a few tiles of masters and state in memory during a step, not all."""
     stage3_prefetch_bucket_size: Size = 50_000_000
     stage3_param_persistence_threshold: Size = 100_000
     stage3_model_persistence_threshold: Size = sys.maxsize

@@ -102,6 +102,7 @@ def initialize(
         loss_scaler=loss_scaler,
         clip=float(cfg.gradient_clipping),
         nonfinite=cfg.nonfinite_gradients,
+        sub_group_size=int(cfg.zero_optimization.sub_group_size),
     )
     _swap_to_nvme(zero, cfg)
     for g in groups:
@@ -183,7 +184,11 @@ def _swap_to_nvme(zero: ZeroOptimizer, cfg: EngineConfig) -> None:
     assert settings.nvme_path is not None  # the config requires it with nvme
     folder = Path(settings.nvme_path) / f"zengine-optimizer-rank{zcomm.get_rank()}"
     zero.swapper = NvmeStateSwapper(
-        zero.optimizer, folder, pin_memory=settings.pin_memory, offloader=nvme_offloader(cfg.aio)
+        zero.optimizer,
+        folder,
+        pin_memory=settings.pin_memory,
+        offloader=nvme_offloader(cfg.aio),
+        tiles=zero.tile_tensors(),
     )
     zero.swap_out_states()
 
@@ -217,6 +222,7 @@ def _stage3(
     handle = zpartition.partition(model, config=knobs, group=group, shard_device=shard_device)
     grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]
     layout = ShardedLayout(groups, group=group, device=device, grad_dtype=grad_dtype, **offload)
+    layout.set_units(handle.units)
     _shards_to_nvme(handle, layout, cfg)
     handle.set_gradient_sink(layout.sink)
     return handle, layout

@@ -151,10 +151,14 @@ class FlatLayout:
         zcomm.reduce_scatter_tensor(part, grads, op=zcomm.ReduceOp.AVG, group=self.group)
         _add_into(mine, part)
 
-    def before_step(self) -> None:
+    def tiles(self, numel: int) -> list[list[nn.Parameter]] | None:
+        """None: the step goes whole (one flat master per group; no tiles at stages 0-2)."""
+        return None
+
+    def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None:
         pass
 
-    def write_back(self) -> None:
+    def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """Copy the updated masters into the parameters (all-gathering the partitions)."""
         for g, flat in enumerate(self.flats):
             master = self.partitions.masters[g]
@@ -195,15 +199,33 @@ class ShardedLayout:
             and master_device == shard_device
             and all(p.ds_tensor.dtype == torch.float32 for p in every)
         )
-        shards = {id(p): p.ds_tensor for p in every} if self.aliased else None
-        self.partitions = Partitions(pieces, master_device, sizes, grad_dtype, shards=shards)
+        # One master per parameter, so that the optimizer's step can go a few parameters at
+        # a time, each tile's state read from NVMe and written back before the next
+        # (``sub_group_size``, [Note: tiled steps]).
+        masters = {
+            id(p): (
+                p.ds_tensor
+                if self.aliased
+                else torch.empty(p.ds_tensor.numel(), dtype=torch.float32, device=master_device)
+            )
+            for p in every
+        }
+        self.partitions = Partitions(pieces, master_device, sizes, grad_dtype, shards=masters)
         self._grads = {id(p): self.partitions.grad_of(p) for p in every}
+        self._every = every
         self._shards = [p.ds_tensor for p in every]
         self._masters = [self.partitions.master_of(p) for p in every]
         self._same_device = master_device == shard_device  # foreach copies need one device
         # set with offload_param to NVMe: its shards must be in memory for the step
         self.partitioned: zpartition.Partitioned | None = None
         self.shard_store: NvmeShardStore | None = None
+        self.units: list[zpartition.Unit] = []  # zpartition's, in model order: tiles of whole units
+        self._tiled = False
+        self._unit_of: dict[int, zpartition.Unit] = {}  # id(param) -> its unit
+
+    def set_units(self, units: Sequence[zpartition.Unit]) -> None:
+        self.units = list(units)
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
         if not self.aliased:
             self._copy(self._masters, self._shards)  # type: ignore[arg-type]
 
@@ -215,7 +237,7 @@ class ShardedLayout:
                 _add_into(mine, grad)
 
     def before_backward(self, boundary: bool) -> None:
-        if boundary and self.shard_store is not None:
+        if boundary and self.shard_store is not None and not self._tiled:
             # offload_param to NVMe: the step needs every shard right after this backward, so
             # the shards its modules release stay in memory instead of a write-free trip to
             # disk and an immediate read back
@@ -224,17 +246,48 @@ class ShardedLayout:
     def after_backward(self, boundary: bool) -> None:
         pass  # zpartition reduced the gradients during backward
 
-    def before_step(self) -> None:
-        if self.partitioned is not None:
-            self.partitioned.fetch_shards()  # offload_param to NVMe: the step writes them all
+    def tiles(self, numel: int) -> list[list[nn.Parameter]] | None:
+        """The parameters with masters, a few whole units at a time, each tile at most
+        `numel` shard elements (a larger unit alone); None for a single tile."""
+        tiles: list[list[nn.Parameter]] = []
+        size = 0
+        for unit in self.units:
+            params = [p for p in unit.params if id(p) in self._grads]
+            count = sum(p.ds_tensor.numel() for p in params)
+            if not tiles or (size + count > numel and size > 0):
+                tiles.append([])
+                size = 0
+            tiles[-1] += params
+            size += count
+        self._tiled = len(tiles) > 1  # then the shards are not held for the step
+        return tiles if self._tiled else None
 
-    def write_back(self) -> None:
-        if not self.aliased:
-            self._copy(self._shards, self._masters)  # type: ignore[arg-type]
+    def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None:
+        """offload_param to NVMe: the shards the step writes into (these, or all) in memory."""
         if self.shard_store is not None:
-            self.shard_store.holding = False
+            self.shard_store.holding = False  # each tile's shards go back after it
         if self.partitioned is not None:
-            self.partitioned.evict_shards()
+            self.partitioned.fetch_shards(self._units_of(params))
+
+    def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
+        """The updated masters (of these parameters, or all) into the shards; with offload_param
+        to NVMe, those shards back to their files."""
+        if not self.aliased:
+            index = None if params is None else {id(p) for p in params}
+            pairs = [
+                (shard, master)
+                for p, shard, master in zip(self._every, self._shards, self._masters, strict=True)
+                if index is None or id(p) in index
+            ]
+            self._copy([d for d, _ in pairs], [m for _, m in pairs])  # type: ignore[misc]
+        if self.partitioned is not None:
+            self.partitioned.evict_shards(self._units_of(params))
+
+    def _units_of(self, params: Sequence[nn.Parameter] | None) -> list[zpartition.Unit] | None:
+        if params is None:
+            return None
+        seen = {id(self._unit_of[id(p)]): self._unit_of[id(p)] for p in params}
+        return list(seen.values())
 
     def _copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         if self._same_device:

@@ -1,11 +1,12 @@
 """``offload_optimizer: {device: nvme}``: the fp32 masters and the optimizer state on NVMe.
 
-Between steps the masters and every optimizer state tensor are written to a file under
-``nvme_path`` and their host memory is freed; only the gradient partitions stay in memory, where
-backward adds to them. The read starts when the backward of an accumulation boundary starts, so
-it runs while backward computes, and the step waits for it; the write after the step runs while
-the next forward computes (zoffload's background I/O). The tensors stay the same objects, so
-the torch optimizer, the ``safe_get_*`` functions and checkpoints see the same state.
+Between steps the masters and every optimizer state tensor are written to files under
+``nvme_path`` (one per tile of the step, [Note: tiled steps]) and their host memory is freed;
+only the gradient partitions stay in memory, where backward adds to them. The first tile's read
+starts when the backward of an accumulation boundary starts, so it runs while backward
+computes; during the step each tile is read while the one before is stepped, and written in
+the background after (zoffload's background I/O). The tensors stay the same objects, so the
+torch optimizer, the ``safe_get_*`` functions and checkpoints see the same state.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ __all__ = ["NvmeStateSwapper"]
 
 
 class NvmeStateSwapper:
-    """Swaps the tensors the optimizer steps, and their state, out to NVMe and back in."""
+    """Swaps the tensors the optimizer steps, and their state, out to NVMe and back in, one
+    tile of the step at a time ([Note: tiled steps]; one tile by default)."""
 
     def __init__(
         self,
@@ -29,52 +31,73 @@ class NvmeStateSwapper:
         *,
         pin_memory: bool,
         offloader: zoffload.Offloader | None = None,
+        tiles: list[list[torch.Tensor]] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.path = path
         self.pin_memory = pin_memory
         self.offloader = offloader or zoffload.default_offloader()  # the config's `aio`, if any
-        self._handle: zoffload.OffloadHandle | None = None  # what is out (or coming back)
+        every = [t for group in optimizer.param_groups for t in group["params"]]
+        self.tiles = tiles or [every]  # the stepped tensors, tile by tile
+        # per tile, what is out (or coming back); None: in memory
+        self._handles: list[zoffload.OffloadHandle | None] = [None] * len(self.tiles)
         path.mkdir(parents=True, exist_ok=True)
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        """The masters and their state, by name (0-d state such as Adam's ``step`` stays)."""
+    def _tensors(self, k: int) -> dict[str, torch.Tensor]:
+        """Tile `k`'s masters and their state, by name (0-d state such as Adam's ``step``
+        stays)."""
         found: dict[str, torch.Tensor] = {}
-        for g, group in enumerate(self.optimizer.param_groups):
-            for i, tensor in enumerate(group["params"]):
-                found[f"group{g}.param{i}"] = tensor
-                for key, value in self.optimizer.state.get(tensor, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        found[f"group{g}.param{i}.{key}"] = value
+        for i, tensor in enumerate(self.tiles[k]):
+            found[f"tile{k}.{i}"] = tensor
+            for key, value in self.optimizer.state.get(tensor, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    found[f"tile{k}.{i}.{key}"] = value
         return found
 
     @property
     def swapped_out(self) -> bool:
-        return self._handle is not None
+        """Whether any tile is out (or on its way out or back)."""
+        return any(h is not None for h in self._handles)
 
-    def swap_out(self) -> None:
-        """Write the state to NVMe in the background; its memory is freed once written."""
-        if self._handle is not None:
-            return
-        self._handle = self.offloader.offload(
-            self._tensors(),
-            zoffload.OffloadDeviceEnum.nvme,
-            pin_memory=self.pin_memory,
-            non_blocking=True,
-            nvme_path=self.path,
-        )
+    def swap_out(self, k: int | None = None) -> None:
+        """Write tile `k` (default: every tile) to NVMe in the background; its memory is
+        freed once written."""
+        for i in range(len(self.tiles)) if k is None else [k]:
+            if self._handles[i] is None:
+                self._handles[i] = self.offloader.offload(
+                    self._tensors(i),
+                    zoffload.OffloadDeviceEnum.nvme,
+                    pin_memory=self.pin_memory,
+                    non_blocking=True,
+                    nvme_path=self.path,
+                )
 
-    def prefetch(self) -> None:
-        """Start reading the state back (a no-op when it is in memory or on its way)."""
-        handle = self._handle
+    def prefetch(self, k: int = 0) -> None:
+        """Start reading tile `k` back (a no-op when it is in memory or on its way, or when
+        there is no such tile)."""
+        handle = self._handles[k] if k < len(self._handles) else None
         if handle is not None and handle.state in ("offloading", "offloaded"):
             handle.reload(non_blocking=True)
 
-    def swap_in(self) -> None:
-        """The state in memory, when this returns."""
-        handle = self._handle
-        if handle is None:
-            return
-        self.prefetch()
-        handle.wait()
-        self._handle = None
+    def swap_in(self, k: int | None = None) -> None:
+        """Tile `k` (default: every tile) in memory, when this returns."""
+        tiles = range(len(self.tiles)) if k is None else [k]
+        for i in tiles:
+            self.prefetch(i)
+        for i in tiles:
+            handle = self._handles[i]
+            if handle is not None:
+                handle.wait()
+                self._handles[i] = None
+
+    def written(self, k: int) -> None:
+        """Wait until tile `k`'s write is done and its memory freed (no-op for k < 0)."""
+        handle = self._handles[k] if 0 <= k < len(self._handles) else None
+        if handle is not None and handle.state == "offloading":
+            handle.wait()
+
+    def wait(self) -> None:
+        """Wait for the transfers in flight (a write after the step: its memory is free)."""
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait()

@@ -1,14 +1,16 @@
-"""Where each rank's fp32 master weights and gradients live: one flat buffer of each.
+"""Where each rank's fp32 master weights and gradients live.
 
 [Note: flat partitions]
-Every optimizer parameter group becomes one flat fp32 tensor, this rank's *partition*: for
-ZeRO-3 the concatenation of its parameters' shards (``ds_tensor``, ceil(n / W) elements each);
-for stages 1 and 2 the r-th of W equal slices of the group's parameters laid end to end (a
-parameter may straddle two ranks); for stage 0 the whole group. All groups' partitions lie in
-one buffer (``fp32_partitions_flat``), and their gradients in another of the same layout
-(``grad_partitions_flat_buffer``, DeepSpeed's name). The torch optimizer steps one tensor per
-group, whatever the number of parameters, and a parameter's piece of either buffer is a view
-(`Fragment`), which is what the ``safe_get_*`` functions hand out.
+Every optimizer parameter group has one flat fp32 gradient partition on each rank: for ZeRO-3
+the concatenation of its parameters' shards (``ds_tensor``, ceil(n / W) elements each); for
+stages 1 and 2 the r-th of W equal slices of the group's parameters laid end to end (a
+parameter may straddle two ranks); for stage 0 the whole group. All groups' gradients lie in
+one buffer (``grad_partitions_flat_buffer``, DeepSpeed's name). The masters follow the same
+layout in one buffer (``fp32_partitions_flat``) at stages 0-2, where the torch optimizer steps
+one tensor per group; at stage 3 each parameter has a master of its own (the shard itself when
+it is fp32), so that a step can go a few parameters at a time ([Note: tiled steps]). A
+parameter's piece of either is a view (`Fragment`), which is what the ``safe_get_*`` functions
+hand out.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class Partitions:
 
     The masters are a new fp32 buffer, unless the parameters are fp32 already: then they are
     the parameters' own storage, which no second copy is needed of. `FlatLayout` hands in its
-    groups' fp32 partitions (`masters`), one flat tensor each; `ShardedLayout` hands in the
-    shards (`shards`), one tensor per parameter, which the torch optimizer then steps directly.
+    groups' fp32 partitions (`masters`), one flat tensor each; `ShardedLayout` hands in one
+    master per parameter (`shards`: the shards themselves when fp32), which the torch optimizer
+    then steps directly.
     """
 
     def __init__(
@@ -62,7 +65,7 @@ class Partitions:
             torch.zeros(total, dtype=torch.float32, device=device) if owned else None
         )  # the masters, when they are a copy of their own
         self.grad_partitions_flat_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.shards = shards  # id(param) -> its shard, when the optimizer steps the shards
+        self.shards = shards  # id(param) -> its own master (stage 3), stepped directly
         self.masters: list[torch.Tensor] = []  # per group, one flat fp32 tensor (not with shards)
         self.grads: list[torch.Tensor] = []  # per group, a view of the gradient buffer
         self.starts: list[int] = []  # per group, its offset in the gradient buffer

@@ -8,6 +8,7 @@ global norm across ranks, steps, and writes the masters back into the parameters
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -34,14 +35,24 @@ class Layout(Protocol):
 
     def before_backward(self, boundary: bool) -> None: ...
     def after_backward(self, boundary: bool) -> None: ...
-    def before_step(self) -> None: ...
-    def write_back(self) -> None: ...
+    def tiles(self, numel: int) -> list[list[nn.Parameter]] | None: ...
+    def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
+    def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
 
 
 class LossScaler(Protocol):
     @property
     def loss_scale(self) -> float: ...
     def update_scale(self, overflow: bool) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """Part of a step: zpartition parameters (None: all of them) and what the optimizer steps
+    for them, with their gradients."""
+
+    params: list[nn.Parameter] | None
+    stepped: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class ZeroOptimizer:
@@ -62,6 +73,7 @@ class ZeroOptimizer:
         loss_scaler: LossScaler | None,
         clip: float,
         nonfinite: str = "skip",
+        sub_group_size: int = 1_000_000_000,
     ) -> None:
         self.stage = stage
         self.layout = layout
@@ -85,9 +97,25 @@ class ZeroOptimizer:
                 self._stepped.append((tensor, grad))
             groups.append({**options, "params": stepped})
         self.optimizer = make_optimizer(groups)
+        self._tiles = self._tiles_of(layout.tiles(sub_group_size))
         self.global_grad_norm: float | None = None  # of the last step, before clipping
         self.skipped_steps = 0
         self.swapper: NvmeStateSwapper | None = None  # offload_optimizer to NVMe, else None
+
+    def _tiles_of(self, tiles: list[list[nn.Parameter]] | None) -> list[_Tile]:
+        """[Note: tiled steps]"""
+        if tiles is None:
+            return [_Tile(None, self._stepped)]
+        by_tensor = {id(t): (t, g) for t, g in self._stepped}
+        found = []
+        for params in tiles:
+            masters = [self.partitions.master_of(p) for p in params]
+            found.append(_Tile(params, [by_tensor[id(m)] for m in masters if m is not None]))
+        return found
+
+    def tile_tensors(self) -> list[list[torch.Tensor]]:
+        """What the step goes through, tile by tile: the tensors the torch optimizer steps."""
+        return [[t for t, _ in tile.stepped] for tile in self._tiles]
 
     # -- the state on NVMe between steps (offload_optimizer) ---------------------------------
 
@@ -97,9 +125,10 @@ class ZeroOptimizer:
             self.swapper.swap_out()
 
     def prefetch_states(self) -> None:
-        """With NVMe offload, start reading the state back (at the boundary's backward)."""
+        """With NVMe offload, start reading the state of the step's first tile back (at the
+        boundary's backward)."""
         if self.swapper is not None:
-            self.swapper.prefetch()
+            self.swapper.prefetch(0)
 
     def resident(self) -> ZeroOptimizer:
         """The masters, the state and the shards in memory (read back from NVMe if they were
@@ -176,19 +205,40 @@ class ZeroOptimizer:
             factor *= self.clip / (norm + 1e-6)
         if factor != 1.0:
             grads.mul_(factor)
-        low = grads.dtype != torch.float32
-        if low:
-            for tensor, grad in self._stepped:
-                tensor.grad = grad.float()
-        self.resident()
-        self.optimizer.step()
-        if low:
-            for tensor, _ in self._stepped:
-                tensor.grad = None
-        self.layout.write_back()
-        self.swap_out_states()
+        self._step_tiles(low=grads.dtype != torch.float32)
         self.zero_grad()
         return True
+
+    def _step_tiles(self, *, low: bool) -> None:
+        """[Note: tiled steps]
+        The torch optimizer steps a few parameters' masters at a time (``sub_group_size``
+        shard elements, whole zpartition units; DeepSpeed's sub-groups): the others have no
+        ``.grad`` while it runs, which every torch optimizer skips. With the state on NVMe only
+        the tile being stepped, the next one (read ahead) and the last one (being written; the
+        one before it is waited for) are in memory, not every master and all the state at
+        once; with offload_param to NVMe, only the tile's shards are written back after it (and
+        the shards are not held through the backward before the step). A step is the same
+        computation whatever the tiles (each tensor is updated on its own), so the losses do
+        not depend on ``sub_group_size``. One tile (the default 1e9 elements, or stages 0-2) is
+        the whole step at once."""
+        swapper, tiles = self.swapper, self._tiles
+        for k, tile in enumerate(tiles):
+            if swapper is not None:
+                swapper.swap_in(k)
+                swapper.prefetch(k + 1)
+            self.layout.before_step(tile.params)
+            if low or len(tiles) > 1:
+                inside = {id(t) for t, _ in tile.stepped}
+                for tensor, grad in self._stepped:
+                    inside_tile = id(tensor) in inside
+                    tensor.grad = (grad.float() if low else grad) if inside_tile else None
+            self.optimizer.step()
+            self.layout.write_back(tile.params)
+            if swapper is not None:
+                swapper.swap_out(k)
+                swapper.written(k - 1)  # at most three tiles in memory: k-1's write is done
+        for tensor, grad in self._stepped:  # fp32 gradients stay attached between steps
+            tensor.grad = None if low else grad
 
     def _norm_and_overflow(self, grads: torch.Tensor) -> tuple[float, bool]:
         """The squared global gradient norm (of the scaled gradients) and whether any rank

@@ -28,6 +28,7 @@ from zpartition._reduce import GradientSink
 from zpartition._status import ZeroParamStatus
 from zpartition._store import ShardStore
 from zpartition._tensors import apply_to_tensors_only, is_zero_param
+from zpartition._unit import Unit
 
 __all__ = [
     "GatheredParameters",
@@ -35,6 +36,7 @@ __all__ = [
     "Init",
     "Partitioned",
     "ShardStore",
+    "Unit",
     "ZeroParamConfig",
     "ZeroParamError",
     "ZeroParamStatus",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -150,13 +150,15 @@ class Partitioned:
             if store is not None and u.status is ZeroParamStatus.NOT_AVAILABLE:
                 store.evict(u.shard)
 
-    def fetch_shards(self) -> None:
-        """Every shard in memory (to write them all, as an optimizer step does)."""
-        fetch_shards(self.units)
+    def fetch_shards(self, units: Sequence[Unit] | None = None) -> None:
+        """The shards of `units` (default: every unit) in memory, to write into them as an
+        optimizer step does."""
+        fetch_shards(self.units if units is None else units)
 
-    def evict_shards(self) -> None:
-        """The shards of released units back to their store (after `fetch_shards`)."""
-        for u in self.units:
+    def evict_shards(self, units: Sequence[Unit] | None = None) -> None:
+        """The shards of released units (of `units`, default: every unit) back to their store
+        (after `fetch_shards`)."""
+        for u in self.units if units is None else units:
             if u.store is not None and u.status is ZeroParamStatus.NOT_AVAILABLE:
                 u.store.evict(u.shard)
 
