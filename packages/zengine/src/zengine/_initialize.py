@@ -102,7 +102,6 @@ def initialize(
         loss_scaler=loss_scaler,
         clip=float(cfg.gradient_clipping),
         nonfinite=cfg.nonfinite_gradients,
-        sub_group_size=int(cfg.zero_optimization.sub_group_size),
     )
     _swap_to_nvme(zero, cfg)
     for g in groups:
@@ -221,8 +220,15 @@ def _stage3(
     knobs = dataclasses.replace(cfg.zero_param_config(), persistent_grad_buckets=keep)
     handle = zpartition.partition(model, config=knobs, group=group, shard_device=shard_device)
     grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]
-    layout = ShardedLayout(groups, group=group, device=device, grad_dtype=grad_dtype, **offload)
-    layout.set_units(handle.units)
+    layout = ShardedLayout(
+        groups,
+        group=group,
+        device=device,
+        grad_dtype=grad_dtype,
+        units=handle.units,
+        sub_group_size=int(zero.sub_group_size),
+        **offload,
+    )
     _shards_to_nvme(handle, layout, cfg)
     handle.set_gradient_sink(layout.sink)
     return handle, layout

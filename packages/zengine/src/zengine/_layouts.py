@@ -151,7 +151,7 @@ class FlatLayout:
         zcomm.reduce_scatter_tensor(part, grads, op=zcomm.ReduceOp.AVG, group=self.group)
         _add_into(mine, part)
 
-    def tiles(self, numel: int) -> list[list[nn.Parameter]] | None:
+    def tiles(self) -> list[list[nn.Parameter]] | None:
         """None: the step goes whole (one flat master per group; no tiles at stages 0-2)."""
         return None
 
@@ -183,13 +183,10 @@ class ShardedLayout:
         grad_dtype: torch.dtype,
         master_device: torch.device | None = None,
         own_masters: bool = False,
+        units: Sequence[zpartition.Unit] = (),
+        sub_group_size: int = 1_000_000_000,
     ) -> None:
         self.params = [cast("list[ZeroParameter]", list(g)) for g in groups]
-        rank = dist.get_rank(group)
-        pieces = [
-            [(p, rank * p.ds_tensor.numel(), p.ds_tensor.numel()) for p in g] for g in self.params
-        ]
-        sizes = [sum(n for _, _, n in g) for g in pieces]
         every = [p for g in self.params for p in g]
         shard_device = every[0].ds_tensor.device if every else device
         master_device = master_device or shard_device
@@ -199,18 +196,19 @@ class ShardedLayout:
             and master_device == shard_device
             and all(p.ds_tensor.dtype == torch.float32 for p in every)
         )
-        # One master per parameter, so that the optimizer's step can go a few parameters at
-        # a time, each tile's state read from NVMe and written back before the next
-        # (``sub_group_size``, [Note: tiled steps]).
-        masters = {
-            id(p): (
-                p.ds_tensor
-                if self.aliased
-                else torch.empty(p.ds_tensor.numel(), dtype=torch.float32, device=master_device)
-            )
-            for p in every
-        }
-        self.partitions = Partitions(pieces, master_device, sizes, grad_dtype, shards=masters)
+        self._master_device = master_device
+        self.units = list(units)  # zpartition's, in model order
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._tiles = self._cut(sub_group_size, every)
+        tile_of = {id(p): k for k, tile in enumerate(self._tiles) for p in tile}
+        rank = dist.get_rank(group)
+        pieces = [
+            [(p, rank * p.ds_tensor.numel(), p.ds_tensor.numel()) for p in g] for g in self.params
+        ]
+        sizes = [sum(n for _, _, n in g) for g in pieces]
+        self.partitions = Partitions(
+            pieces, master_device, sizes, grad_dtype, shards=self._masters_of(pieces, tile_of)
+        )
         self._grads = {id(p): self.partitions.grad_of(p) for p in every}
         self._every = every
         self._shards = [p.ds_tensor for p in every]
@@ -219,15 +217,50 @@ class ShardedLayout:
         # set with offload_param to NVMe: its shards must be in memory for the step
         self.partitioned: zpartition.Partitioned | None = None
         self.shard_store: NvmeShardStore | None = None
-        self.units: list[zpartition.Unit] = []  # zpartition's, in model order: tiles of whole units
-        self._tiled = False
-        self._unit_of: dict[int, zpartition.Unit] = {}  # id(param) -> its unit
-
-    def set_units(self, units: Sequence[zpartition.Unit]) -> None:
-        self.units = list(units)
-        self._unit_of = {id(p): u for u in self.units for p in u.params}
         if not self.aliased:
             self._copy(self._masters, self._shards)  # type: ignore[arg-type]
+
+    def _cut(self, numel: int, every: list[ZeroParameter]) -> list[list[nn.Parameter]]:
+        """[Note: tiled steps] The parameters in their order (group by group, as the gradients
+        lie), cut where a tile would pass `numel` shard elements, between units where it can
+        (a unit's parameters in two groups may fall in two tiles); one tile without units."""
+        if not self.units:
+            return [list(every)]
+        tiles: list[list[nn.Parameter]] = []
+        size, last = 0, None
+        for p in every:
+            count, unit = p.ds_tensor.numel(), self._unit_of.get(id(p))
+            if not tiles or (size + count > numel and size > 0 and unit is not last):
+                tiles.append([])
+                size = 0
+            tiles[-1].append(p)
+            size += count
+            last = unit
+        return tiles
+
+    def _masters_of(
+        self, pieces: list[list[tuple[ZeroParameter, int, int]]], tile_of: dict[int, int]
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each parameter's master and the tensor the optimizer steps for it: its fp32 shard
+        itself (aliased), or a view of one flat fp32 buffer per tile and group, as DeepSpeed's
+        sub-groups (large buffers of their own: NVMe offload empties and refills them whole)."""
+        if self.aliased:
+            return {id(p): (p.ds_tensor, p.ds_tensor) for g in pieces for p, _, _ in g}
+        found = {}
+        device = self._master_device
+        for group_pieces in pieces:
+            runs: dict[int, list[ZeroParameter]] = {}
+            for p, _, _ in group_pieces:
+                runs.setdefault(tile_of.get(id(p), 0), []).append(p)
+            for run in runs.values():
+                numel = sum(p.ds_tensor.numel() for p in run)
+                flat = torch.empty(numel, dtype=torch.float32, device=device)
+                offset = 0
+                for p in run:
+                    n = p.ds_tensor.numel()
+                    found[id(p)] = (flat[offset : offset + n], flat)
+                    offset += n
+        return found
 
     def sink(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
         """zpartition's gradient sink: accumulate reduced shard gradients in fp32."""
@@ -237,7 +270,7 @@ class ShardedLayout:
                 _add_into(mine, grad)
 
     def before_backward(self, boundary: bool) -> None:
-        if boundary and self.shard_store is not None and not self._tiled:
+        if boundary and self.shard_store is not None and len(self._tiles) == 1:
             # offload_param to NVMe: the step needs every shard right after this backward, so
             # the shards its modules release stay in memory instead of a write-free trip to
             # disk and an immediate read back
@@ -246,21 +279,9 @@ class ShardedLayout:
     def after_backward(self, boundary: bool) -> None:
         pass  # zpartition reduced the gradients during backward
 
-    def tiles(self, numel: int) -> list[list[nn.Parameter]] | None:
-        """The parameters with masters, a few whole units at a time, each tile at most
-        `numel` shard elements (a larger unit alone); None for a single tile."""
-        tiles: list[list[nn.Parameter]] = []
-        size = 0
-        for unit in self.units:
-            params = [p for p in unit.params if id(p) in self._grads]
-            count = sum(p.ds_tensor.numel() for p in params)
-            if not tiles or (size + count > numel and size > 0):
-                tiles.append([])
-                size = 0
-            tiles[-1] += params
-            size += count
-        self._tiled = len(tiles) > 1  # then the shards are not held for the step
-        return tiles if self._tiled else None
+    def tiles(self) -> list[list[nn.Parameter]] | None:
+        """The step's tiles ([Note: tiled steps]); None for a single one."""
+        return self._tiles if len(self._tiles) > 1 else None
 
     def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """offload_param to NVMe: the shards the step writes into (these, or all) in memory."""

@@ -53,7 +53,7 @@ class Partitions:
         grad_dtype: torch.dtype = torch.float32,
         *,
         masters: Sequence[torch.Tensor] | None = None,
-        shards: dict[int, torch.Tensor] | None = None,
+        shards: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """`groups`: per group, (parameter, param_offset, numel) of each piece this rank holds,
         in order; `sizes`: each group's partition size (pieces plus padding); `grad_dtype`:
@@ -65,7 +65,9 @@ class Partitions:
             torch.zeros(total, dtype=torch.float32, device=device) if owned else None
         )  # the masters, when they are a copy of their own
         self.grad_partitions_flat_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.shards = shards  # id(param) -> its own master (stage 3), stepped directly
+        # stage 3: id(param) -> its master, and the tensor the optimizer steps that holds it
+        self.shards = None if shards is None else {k: m for k, (m, _) in shards.items()}
+        self._stepped_of = None if shards is None else {k: t for k, (_, t) in shards.items()}
         self.masters: list[torch.Tensor] = []  # per group, one flat fp32 tensor (not with shards)
         self.grads: list[torch.Tensor] = []  # per group, a view of the gradient buffer
         self.starts: list[int] = []  # per group, its offset in the gradient buffer
@@ -84,11 +86,30 @@ class Partitions:
                 offset += numel
             start += size
 
-    def stepped(self, group: int, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        """What the torch optimizer steps for `group`: its flat master, or each shard."""
-        if self.shards is None:
-            return [self.masters[group]]
-        return [self.shards[id(p)] for p in params]
+    def stepped(
+        self, group: int, params: Sequence[nn.Parameter]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What the torch optimizer steps for `group`, with its gradients: the group's flat
+        master, or (stage 3) each shard, or each tile's flat of masters, whose parameters'
+        gradients lie side by side in the same order."""
+        if self._stepped_of is None:
+            return [(self.masters[group], self.grads[group])]
+        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for p in params:
+            tensor = self._stepped_of[id(p)]
+            start = self.fragments[id(p)].start - self.offset_in(p)
+            if id(tensor) not in found:
+                grad = self.grad_partitions_flat_buffer[start : start + tensor.numel()]
+                found[id(tensor)] = (tensor, grad.view_as(tensor))
+        return list(found.values())
+
+    def offset_in(self, param: torch.Tensor) -> int:
+        """Where `param`'s master starts in the tensor the optimizer steps for it."""
+        if self.shards is None or self._stepped_of is None:
+            frag = self.fragments[id(param)]
+            return frag.start - self.starts[frag.group]
+        master, tensor = self.shards[id(param)], self._stepped_of[id(param)]
+        return int(master.storage_offset() - tensor.storage_offset())
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of this rank's piece of `param` (None if it has none here)."""
@@ -105,8 +126,8 @@ class Partitions:
         frag = self.fragments.get(id(param))
         if frag is None:
             return None
-        if self.shards is not None:
-            return self.shards[id(param)], 0
+        if self._stepped_of is not None:
+            return self._stepped_of[id(param)], self.offset_in(param)
         return self.masters[frag.group], frag.start - self.starts[frag.group]
 
     def grads_of(self, param: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ class Layout(Protocol):
 
     def before_backward(self, boundary: bool) -> None: ...
     def after_backward(self, boundary: bool) -> None: ...
-    def tiles(self, numel: int) -> list[list[nn.Parameter]] | None: ...
+    def tiles(self) -> list[list[nn.Parameter]] | None: ...
     def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
 
@@ -73,7 +73,6 @@ class ZeroOptimizer:
         loss_scaler: LossScaler | None,
         clip: float,
         nonfinite: str = "skip",
-        sub_group_size: int = 1_000_000_000,
     ) -> None:
         self.stage = stage
         self.layout = layout
@@ -87,17 +86,13 @@ class ZeroOptimizer:
         parts = self.partitions
         for g, (params, options) in enumerate(zip(layout.params, group_options, strict=True)):
             stepped = parts.stepped(g, params)
-            if parts.shards is None:
-                grads = [parts.grads[g]]
-            else:
-                grads = [parts.grads_of(p).view_as(t) for p, t in zip(params, stepped, strict=True)]
-            for tensor, grad in zip(stepped, grads, strict=True):
+            for tensor, grad in stepped:
                 if grad.dtype == torch.float32:
                     tensor.grad = grad  # else an fp32 copy, only during the step
                 self._stepped.append((tensor, grad))
-            groups.append({**options, "params": stepped})
+            groups.append({**options, "params": [t for t, _ in stepped]})
         self.optimizer = make_optimizer(groups)
-        self._tiles = self._tiles_of(layout.tiles(sub_group_size))
+        self._tiles = self._tiles_of(layout.tiles())
         self.global_grad_norm: float | None = None  # of the last step, before clipping
         self.skipped_steps = 0
         self.swapper: NvmeStateSwapper | None = None  # offload_optimizer to NVMe, else None
@@ -109,8 +104,9 @@ class ZeroOptimizer:
         by_tensor = {id(t): (t, g) for t, g in self._stepped}
         found = []
         for params in tiles:
-            masters = [self.partitions.master_of(p) for p in params]
-            found.append(_Tile(params, [by_tensor[id(m)] for m in masters if m is not None]))
+            keys = [self.partitions.state_key(p) for p in params]
+            tensors = {id(k[0]): by_tensor[id(k[0])] for k in keys if k is not None}
+            found.append(_Tile(params, list(tensors.values())))
         return found
 
     def tile_tensors(self) -> list[list[torch.Tensor]]:
