@@ -1,5 +1,6 @@
-"""ZeRO-Infinity on CPU: zengine stage 3 with ``offload_optimizer: {device: nvme}`` against the
-same run without offload, world size 1: time per step and the memory the masters and Adam
+"""ZeRO-Infinity on CPU: zengine stage 3 with ``offload_optimizer: {device: nvme}`` (and
+``offload_param`` too, and the step in tiles of ``sub_group_size``) against the same run
+without offload, world size 1: time per step, peak memory and the memory the masters and Adam
 state stop holding between steps.
 
 Run by ``nox -s bench -- offload_engine`` (or ``python bench/bench_offload_engine.py``); prints
@@ -27,11 +28,13 @@ from _common import GPT
 
 HIDDEN, BLOCKS, SEQ, VOCAB, HEADS, MICRO = 512, 4, 128, 8192, 4, 4
 WARMUP, STEPS, ROUNDS = 2, 5, 3
+TILE = 4_000_000  # sub_group_size of the tiled run: about a fifth of the model
 
 
-def _rss_mib() -> float:
+def _rss_mib(field: str = "VmRSS") -> float:
+    """Resident memory now (VmRSS) or at its peak (VmHWM), MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -50,8 +53,11 @@ def _worker(mode: str, folder: str) -> None:
     zero: dict[str, Any] = {"stage": 3}
     if mode in ("optimizer", "infinity"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder}
-    if mode == "infinity":
+    if mode in ("infinity", "tiled"):
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder}
         zero["offload_param"] = {"device": "nvme", "nvme_path": folder}
+    if mode == "tiled":
+        zero["sub_group_size"] = TILE
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "steps_per_print": 10**6,
@@ -84,6 +90,7 @@ def _worker(mode: str, folder: str) -> None:
             {
                 "step_ms": 1000 * statistics.median(times),
                 "rss": _rss_mib(),
+                "peak": _rss_mib("VmHWM"),
                 "held": sum(_storages(state).values()) / (1 << 20),
                 "shards": sum(_storages([u.shard for u in units]).values()) / (1 << 20),
                 "state": sum(t.numel() * t.element_size() for t in state) / (1 << 20),
@@ -111,6 +118,7 @@ MODES = {
     "none": "no offload",
     "optimizer": "offload_optimizer nvme",
     "infinity": "offload_optimizer + offload_param nvme",
+    "tiled": f"the same, sub_group_size {TILE:.0e}",
 }
 
 
@@ -131,10 +139,10 @@ def main() -> None:
         "order; MiB held in memory between steps, of the full size\n"
     )
     print(
-        "| run | ms per step | step / no offload | RSS after the run, MiB | "
+        "| run | ms per step | step / no offload | peak RSS, MiB | RSS after the run, MiB | "
         "masters + Adam state held | parameter shards held | loss, max relative difference |"
     )
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     base = runs["none"]
     for mode, label in MODES.items():
         rs = runs[mode]
@@ -151,7 +159,8 @@ def main() -> None:
             return float(statistics.median(r[key] for r in rs))
 
         print(
-            f"| {label} | {med('step_ms'):.1f} | {ratio:.3f} | {med('rss'):.0f} | "
+            f"| {label} | {med('step_ms'):.1f} | {ratio:.3f} | {med('peak'):.0f} "
+            f"| {med('rss'):.0f} | "
             f"{med('held'):.1f} of {med('state'):.1f} | "
             f"{med('shards'):.1f} of {statistics.median(b['shards'] for b in base):.1f} | "
             f"{'reference' if mode == 'none' else f'{diff:.1e}'} |"

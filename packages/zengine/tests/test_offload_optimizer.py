@@ -259,6 +259,10 @@ class TestTiledStep(DistributedTest):
             assert len(whole.optimizer.tile_tensors()) == 1
             data = global_batches(6, 2 * world_size)
             torch.testing.assert_close(_train(tiled, data), _train(whole, data), rtol=0, atol=0)
+            if offload == "nvme":  # between steps every released shard is in its file again
+                assert tiled.partitioned is not None
+                away = [u for u in tiled.partitioned.units if not u.persistent]
+                assert all(u.shard.untyped_storage().nbytes() == 0 for u in away)
             for a, b in zip(tiled.parameters(), whole.parameters(), strict=True):
                 full_a = zengine.safe_get_full_fp32_param(a)
                 full_b = zengine.safe_get_full_fp32_param(b)

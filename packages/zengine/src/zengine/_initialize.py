@@ -253,7 +253,8 @@ def _offload_params(model: nn.Module, cfg: EngineConfig, device: torch.device) -
 def _shards_to_nvme(
     handle: zpartition.Partitioned, layout: ShardedLayout, cfg: EngineConfig
 ) -> None:
-    settings = cfg.zero_optimization.offload_param
+    zero = cfg.zero_optimization
+    settings = zero.offload_param
     if settings.device != "nvme":
         return
     assert settings.nvme_path is not None  # the config requires it with nvme
@@ -261,7 +262,8 @@ def _shards_to_nvme(
         settings.nvme_path,
         zcomm.get_rank(),
         nvme_offloader(cfg.aio, "params"),
-        read_ahead=int(cfg.zero_optimization.stage3_prefetch_bucket_size),
+        # never more than a tile of the step ahead: a tiled step holds a few tiles at most
+        read_ahead=int(min(zero.stage3_prefetch_bucket_size, zero.sub_group_size)),
     )
     handle.set_shard_store(store)
     layout.shard_store = store

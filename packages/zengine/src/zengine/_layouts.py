@@ -158,6 +158,9 @@ class FlatLayout:
     def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None:
         pass
 
+    def after_step(self) -> None:
+        pass
+
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """Copy the updated masters into the parameters (all-gathering the partitions)."""
         for g, flat in enumerate(self.flats):
@@ -303,6 +306,12 @@ class ShardedLayout:
             self._copy([d for d, _ in pairs], [m for _, m in pairs])  # type: ignore[misc]
         if self.partitioned is not None:
             self.partitioned.evict_shards(self._units_of(params))
+
+    def after_step(self) -> None:
+        """offload_param to NVMe: shards read ahead during a tiled step for the next forward
+        go back too; between steps only the persistent unit's stay in memory."""
+        if self.partitioned is not None and len(self._tiles) > 1:
+            self.partitioned.evict_shards()
 
     def _units_of(self, params: Sequence[nn.Parameter] | None) -> list[zpartition.Unit] | None:
         if params is None:

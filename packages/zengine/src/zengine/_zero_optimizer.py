@@ -38,6 +38,7 @@ class Layout(Protocol):
     def tiles(self) -> list[list[nn.Parameter]] | None: ...
     def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
+    def after_step(self) -> None: ...
 
 
 class LossScaler(Protocol):
@@ -235,6 +236,7 @@ class ZeroOptimizer:
                 swapper.written(k - 1)  # at most three tiles in memory: k-1's write is done
         for tensor, grad in self._stepped:  # fp32 gradients stay attached between steps
             tensor.grad = None if low else grad
+        self.layout.after_step()
 
     def _norm_and_overflow(self, grads: torch.Tensor) -> tuple[float, bool]:
         """The squared global gradient norm (of the scaled gradients) and whether any rank
