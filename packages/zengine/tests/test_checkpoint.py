@@ -113,15 +113,17 @@ class TestResume(DistributedTest):
         zcomm.barrier()
         assert "at step 20" in run()
 
-    @pytest.mark.parametrize("stage", [2, 3])
-    def test_resume_with_nvme_offload(self, stage: int, tmp_path: Path) -> None:
-        """Masters, optimizer state (and at stage 3 the shards) on NVMe between steps: saved
-        and loaded all the same."""
+    @pytest.mark.parametrize(("stage", "tiles"), [(2, False), (3, False), (3, True)])
+    def test_resume_with_nvme_offload(self, stage: int, tiles: bool, tmp_path: Path) -> None:
+        """Masters, optimizer state (and at stage 3 the shards) on NVMe between steps, the
+        step whole or in tiles (sub_group_size): saved and loaded all the same."""
         nvme = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
         zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 16}
         zero["offload_optimizer"] = nvme
         if stage == 3:
             zero["offload_param"] = nvme
+        if tiles:
+            zero["sub_group_size"] = 300  # TinyGPT's shards in many tiles
         resume_matches(stage, tmp_path / "ckpt", zero_optimization=zero)
 
     def test_resume_bf16_stage3(self, tmp_path: Path) -> None:
