@@ -16,7 +16,8 @@ would stall the forward for the whole read. So the store learns the order shards
 in, as zpartition's coordinator learns the order of modules: after shards ``a, b`` came ``c``
 last time (two shards of context tell a forward's ``b`` from a backward's; ``b`` alone where
 the pair is new), and on each fetch it starts reading the shards that followed last time, on
-zoffload's threads, up to ``read_ahead`` elements (the config's `stage3_prefetch_bucket_size`).
+zoffload's threads, up to ``read_ahead`` elements (the smaller of the config's
+`stage3_prefetch_bucket_size` and `sub_group_size`).
 The forward then finds them in memory or on their way. A wrong guess costs memory until the
 shard's next release, never correctness: every fetch waits for its own shards.
 """
