@@ -219,12 +219,13 @@ class ZeroOptimizer:
         not depend on ``sub_group_size``. One tile (the default 1e9 elements, or stages 0-2) is
         the whole step at once."""
         swapper, tiles = self.swapper, self._tiles
+        regrad = low or len(tiles) > 1  # else every fp32 gradient stays attached throughout
         for k, tile in enumerate(tiles):
             if swapper is not None:
                 swapper.swap_in(k)
                 swapper.prefetch(k + 1)
             self.layout.before_step(tile.params)
-            if low or len(tiles) > 1:
+            if regrad:
                 inside = {id(t) for t, _ in tile.stepped}
                 for tensor, grad in self._stepped:
                     inside_tile = id(tensor) in inside
@@ -234,8 +235,9 @@ class ZeroOptimizer:
             if swapper is not None:
                 swapper.swap_out(k)
                 swapper.written(k - 1)  # at most three tiles in memory: k-1's write is done
-        for tensor, grad in self._stepped:  # fp32 gradients stay attached between steps
-            tensor.grad = None if low else grad
+        if regrad:
+            for tensor, grad in self._stepped:  # fp32 gradients stay attached between steps
+                tensor.grad = None if low else grad
         self.layout.after_step()
 
     def _norm_and_overflow(self, grads: torch.Tensor) -> tuple[float, bool]:
