@@ -296,12 +296,16 @@ class ShardedLayout:
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """The updated masters (of these parameters, or all) into the shards; with offload_param
         to NVMe, those shards back to their files."""
-        if not self.aliased:
-            index = None if params is None else {id(p) for p in params}
+        if self.aliased:
+            pass  # the step updated the shards themselves
+        elif params is None:
+            self._copy(self._shards, self._masters)  # type: ignore[arg-type]
+        else:
+            index = {id(p) for p in params}
             pairs = [
                 (shard, master)
                 for p, shard, master in zip(self._every, self._shards, self._masters, strict=True)
-                if index is None or id(p) in index
+                if id(p) in index
             ]
             self._copy([d for d, _ in pairs], [m for _, m in pairs])  # type: ignore[misc]
         if self.partitioned is not None:

@@ -7,10 +7,10 @@ stages 1 and 2 the r-th of W equal slices of the group's parameters laid end to 
 parameter may straddle two ranks); for stage 0 the whole group. All groups' gradients lie in
 one buffer (``grad_partitions_flat_buffer``, DeepSpeed's name). The masters follow the same
 layout in one buffer (``fp32_partitions_flat``) at stages 0-2, where the torch optimizer steps
-one tensor per group; at stage 3 each parameter has a master of its own (the shard itself when
-it is fp32), so that a step can go a few parameters at a time ([Note: tiled steps]). A
-parameter's piece of either is a view (`Fragment`), which is what the ``safe_get_*`` functions
-hand out.
+one tensor per group; at stage 3 the fp32 shards are their own masters, and other masters lie
+in one flat buffer per tile of the step and group, so that a step can go a few parameters at a
+time ([Note: tiled steps]). A parameter's piece of either is a view (`Fragment`), which is what
+the ``safe_get_*`` functions hand out.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ class Partitions:
 
     The masters are a new fp32 buffer, unless the parameters are fp32 already: then they are
     the parameters' own storage, which no second copy is needed of. `FlatLayout` hands in its
-    groups' fp32 partitions (`masters`), one flat tensor each; `ShardedLayout` hands in one
-    master per parameter (`shards`: the shards themselves when fp32), which the torch optimizer
-    then steps directly.
+    groups' fp32 partitions (`masters`), one flat tensor each; `ShardedLayout` hands in each
+    parameter's master with the tensor the optimizer steps for it (`shards`: the shard itself
+    when fp32, else a view of its tile's flat master).
     """
 
     def __init__(
@@ -97,8 +97,8 @@ class Partitions:
         found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for p in params:
             tensor = self._stepped_of[id(p)]
-            start = self.fragments[id(p)].start - self.offset_in(p)
             if id(tensor) not in found:
+                start = self.fragments[id(p)].start - self.offset_in(p)
                 grad = self.grad_partitions_flat_buffer[start : start + tensor.numel()]
                 found[id(tensor)] = (tensor, grad.view_as(tensor))
         return list(found.values())
@@ -126,15 +126,10 @@ class Partitions:
         frag = self.fragments.get(id(param))
         if frag is None:
             return None
-        if self._stepped_of is not None:
-            return self._stepped_of[id(param)], self.offset_in(param)
-        return self.masters[frag.group], frag.start - self.starts[frag.group]
-
-    def grads_of(self, param: torch.Tensor) -> torch.Tensor:
-        """`grad_of` for a parameter known to have a piece here."""
-        grad = self.grad_of(param)
-        assert grad is not None
-        return grad
+        stepped = (
+            self.masters[frag.group] if self._stepped_of is None else self._stepped_of[id(param)]
+        )
+        return stepped, self.offset_in(param)
 
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 gradient of this rank's piece of `param`."""
