@@ -173,9 +173,12 @@ def load_checkpoint(
     tag: str | None = None,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
+    *,
+    verify: bool = True,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint saved at any world size and ZeRO stage; ``(path, client_state)``, or
-    ``(None, None)`` when `load_dir` holds no ``latest`` and no tag is given (DeepSpeed's)."""
+    ``(None, None)`` when `load_dir` holds no ``latest`` and no tag is given (DeepSpeed's).
+    Without `verify` the caller has checked the files' CRCs already (a pipeline's stages)."""
     sync = _sync(engine)
     sync.arrive("load_checkpoint")
     engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
@@ -192,7 +195,8 @@ def load_checkpoint(
     except CheckpointError as exc:
         error = exc
     sync.agree("load_checkpoint", error)  # every rank sees the same files, or none goes on
-    _verify(sync, directory, manifest)
+    if verify:
+        _verify(sync, directory, manifest)
     log.info("zengine: loading checkpoint %s", directory)
     loaded = _read(engine, sync, directory, manifest, load_optimizer_states)
     engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)

@@ -25,8 +25,9 @@ loaded. Then a stage whose saved directory holds exactly its names (same stages,
 partition) loads that directory as before; any other stage reads each of its names from an
 old stage that saved it (_checkpoint_reshape.py). Either way DCP reshards each name over the
 stage's data-parallel ranks and ZeRO stage. A checkpoint without ``pipeline-<tag>.json``
-(saved before it existed) loads only into the same stages. A stage that fails to load fails
-the load on every stage.
+(saved before it existed) loads only into the same stages. Every stage checks every file it
+will read against its CRC before any stage reads one, so a damaged file loads nothing anywhere;
+a stage that fails later (a read error) still fails the load on every stage.
 """
 
 from __future__ import annotations
@@ -138,6 +139,18 @@ def load_checkpoint(
     where = f"load_checkpoint({str(root)!r}, tag={tag!r})"
     sources = _sources(engine, root, tag, load_optimizer_states, where)
     error: BaseException | None = None
+    try:
+        _verify_stage(engine, root, tag, sources)
+    except Exception as exc:  # reported to every stage below, then raised here
+        error = exc
+    failed = _failed_stages(engine, error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(
+            f"{where}: stage(s) {failed} found damaged or missing files (their error is raised "
+            "there); nothing was loaded"
+        )
     result: tuple[str | None, dict[str, Any] | None] = (None, None)
     try:
         if sources is None:
@@ -147,10 +160,11 @@ def load_checkpoint(
                 tag,
                 load_optimizer_states,
                 load_lr_scheduler_states,
+                verify=False,
             )
         else:
             result = reshape.load_stage(
-                engine, sources, load_optimizer_states, load_lr_scheduler_states
+                engine, sources, load_optimizer_states, load_lr_scheduler_states, verify=False
             )
     except Exception as exc:  # reported to every stage below, then raised here
         error = exc
@@ -163,6 +177,26 @@ def load_checkpoint(
             "stage loaded, the pipeline as a whole did not"
         )
     return result
+
+
+def _verify_stage(engine: Any, root: Path, tag: str, sources: Sources | None) -> None:
+    """Every file this stage will read against its CRC: its own directory (`sources` None)
+    or its old stages'. Collective over the stage's data-parallel ranks."""
+    from zengine._checkpoint import _sync, _verify
+
+    sync = _sync(engine)
+    if sources is not None:
+        for s in sorted(sources.take):
+            _verify(sync, sources.directories[s], sources.manifests[s])
+        return
+    directory, manifest, error = root, {}, None
+    try:
+        directory = files.resolve(stage_dir(root, engine.stage_id), tag)
+        manifest = files.read_manifest(directory)
+    except CheckpointError as exc:
+        error = exc
+    sync.agree(f"load_checkpoint({str(directory)!r})", error)
+    _verify(sync, directory, manifest)
 
 
 def _sources(engine: Any, root: Path, tag: str, optimizer: bool, where: str) -> Sources | None:
