@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -60,6 +61,8 @@ if TYPE_CHECKING:  # imported where used: it imports torch.distributed.checkpoin
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
+T = TypeVar("T")
+
 log = logging.getLogger("zengine")
 
 
@@ -77,6 +80,23 @@ def _failed_stages(engine: Any, failed: bool) -> list[int]:
     return sorted({int(f) - 1 for f in flags.tolist() if f})
 
 
+def _on_every_stage(engine: Any, work: Callable[[], T], elsewhere: Callable[[list[int]], str]) -> T:
+    """`work` on this stage, then every stage learns which failed: a stage's own error is
+    raised there, the others raise a CheckpointError with ``elsewhere(failed stages)``."""
+    error: BaseException | None = None
+    result = None
+    try:
+        result = work()
+    except Exception as exc:  # reported to every stage, then raised here
+        error = exc
+    failed = _failed_stages(engine, error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(elsewhere(failed))
+    return cast(T, result)
+
+
 def save_checkpoint(
     engine: Any,
     save_dir: str | os.PathLike[str],
@@ -88,21 +108,16 @@ def save_checkpoint(
 
     root = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    error: BaseException | None = None
-    try:
-        _checkpoint.save_checkpoint(
+    _on_every_stage(
+        engine,
+        lambda: _checkpoint.save_checkpoint(
             engine, stage_dir(root, engine.stage_id), tag, client_state, save_latest=False
-        )
-    except Exception as exc:  # reported to every stage below, then raised here
-        error = exc
-    failed = _failed_stages(engine, error is not None)
-    if error is not None:
-        raise error
-    if failed:
-        raise CheckpointError(
+        ),
+        lambda failed: (
             f"save_checkpoint({str(root)!r}, tag={tag!r}): stage(s) {failed} failed to save; "
             f"'{files.LATEST}' still names the previous checkpoint"
-        )
+        ),
+    )
     problem = None
     if zcomm.get_rank() == 0:
         try:
@@ -138,23 +153,18 @@ def load_checkpoint(
             return None, None
     where = f"load_checkpoint({str(root)!r}, tag={tag!r})"
     sources = _sources(engine, root, tag, load_optimizer_states, where)
-    error: BaseException | None = None
-    try:
-        _verify_stage(engine, root, tag, sources)
-    except Exception as exc:  # reported to every stage below, then raised here
-        error = exc
-    failed = _failed_stages(engine, error is not None)
-    if error is not None:
-        raise error
-    if failed:
-        raise CheckpointError(
+    _on_every_stage(
+        engine,
+        lambda: _verify_stage(engine, root, tag, sources),
+        lambda failed: (
             f"{where}: stage(s) {failed} found damaged or missing files (their error is raised "
             "there); nothing was loaded"
-        )
-    result: tuple[str | None, dict[str, Any] | None] = (None, None)
-    try:
+        ),
+    )
+
+    def load() -> tuple[str | None, dict[str, Any] | None]:
         if sources is None:
-            result = _checkpoint.load_checkpoint(
+            return _checkpoint.load_checkpoint(
                 engine,
                 stage_dir(root, engine.stage_id),
                 tag,
@@ -162,21 +172,19 @@ def load_checkpoint(
                 load_lr_scheduler_states,
                 verify=False,
             )
-        else:
-            result = reshape.load_stage(
-                engine, sources, load_optimizer_states, load_lr_scheduler_states, verify=False
-            )
-    except Exception as exc:  # reported to every stage below, then raised here
-        error = exc
-    failed = _failed_stages(engine, error is not None)
-    if error is not None:
-        raise error
-    if failed:  # no stage trains on while another has not loaded
-        raise CheckpointError(
+        return reshape.load_stage(
+            engine, sources, load_optimizer_states, load_lr_scheduler_states, verify=False
+        )
+
+    # no stage trains on while another has not loaded
+    return _on_every_stage(
+        engine,
+        load,
+        lambda failed: (
             f"{where}: stage(s) {failed} failed to load (their error is raised there); this "
             "stage loaded, the pipeline as a whole did not"
-        )
-    return result
+        ),
+    )
 
 
 def _verify_stage(engine: Any, root: Path, tag: str, sources: Sources | None) -> None:
