@@ -51,8 +51,9 @@ def test_top_level_defaults() -> None:
     assert config.scheduler is None
     assert config.wall_clock_breakdown is False
     assert config.gradient_accumulation_dtype is None
+    assert config.data_types.grad_accum_dtype is None
     assert config.communication_data_type is None
-    assert config.seed is None
+    assert config.dataloader_drop_last is False
     assert config.zero_allow_untested_optimizer is False
     assert config.zero_stage == 0
     assert (config.fp16_enabled, config.bf16_enabled) == (False, False)
@@ -316,9 +317,10 @@ def test_optional_top_level_keys() -> None:
             "train_batch_size": 1,
             "gradient_clipping": 1,
             "wall_clock_breakdown": True,
-            "gradient_accumulation_dtype": "fp32",
-            "communication_data_type": "bf16",
-            "seed": 1234,
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "bf16": {"enabled": True},
+            "communication_data_type": "bf16",  # the compute dtype: nothing to do
+            "dataloader_drop_last": True,
             "zero_allow_untested_optimizer": True,
         },
         world_size=1,
@@ -327,7 +329,7 @@ def test_optional_top_level_keys() -> None:
     assert config.wall_clock_breakdown is True
     assert config.gradient_accumulation_dtype == "fp32"
     assert config.communication_data_type == "bf16"
-    assert config.seed == 1234
+    assert config.dataloader_drop_last is True
     assert config.zero_allow_untested_optimizer is True
 
 
@@ -435,9 +437,135 @@ def test_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
     ]
 
 
-def test_deepspeed_feature_without_support() -> None:
-    assert _problems({"train_batch_size": 1, "tensorboard": {"enabled": True}}) == [
-        "tensorboard: a DeepSpeed feature that zstack does not support; remove the key"
+# --- DeepSpeed keys of features zengine does not have ([Note: DeepSpeed keys without a
+# feature] in zengine/_config_deepspeed.py)
+
+# A DeepSpeed config as they are written, with every such feature off or at its default.
+FEATURES_OFF: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 2,
+    "fp16": {"enabled": True, "auto_cast": False, "fp16_master_weights_and_grads": False},
+    "bf16": {"enabled": False, "immediate_grad_update": False},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 1.0},
+        "memory_efficient_linear": True,
+        "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False,
+        "zero_quantized_nontrainable_weights": False,
+        "zero_quantized_gradients": False,
+        "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False,
+        "log_trace_cache_warnings": False,
+        "use_all_reduce_for_fetch_params": False,
+        "elastic_checkpoint": False,
+        "legacy_stage1": False,
+        "cpu_offload": False,
+        "pipeline_loading_checkpoint": False,
+    },
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "fp32_allreduce": False,
+    "disable_allgather": False,
+    "sparse_gradients": False,
+    "zero_force_ds_cpu_optimizer": True,
+    "activation_checkpointing": {"partition_activations": False, "number_checkpoints": None},
+    "flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1},
+    "tensorboard": {"enabled": False, "output_path": "", "job_name": "run"},
+    "wandb": {"enabled": False},
+    "csv_monitor": {"enabled": False},
+    "comms_logger": {"enabled": False, "verbose": False},
+    "memory_breakdown": False,
+    "dump_state": False,
+    "amp": {"enabled": False},
+    "compression_training": {},
+    "data_efficiency": {"enabled": False},
+    "elasticity": {"enabled": False},
+    "hybrid_engine": {"enabled": False, "max_out_tokens": 512},
+    "autotuning": {"enabled": False},
+}
+
+
+def test_a_deepspeed_config_with_those_features_off_loads_silently(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    given = json.loads(json.dumps(FEATURES_OFF))
+    with caplog.at_level("WARNING", logger="zengine"):
+        config = load_config(given, world_size=1)
+    assert caplog.records == []
+    assert config.zero_stage == 3
+    assert config.zero_optimization.offload_optimizer.device == "cpu"
+    assert given == FEATURES_OFF  # the caller's dict (and its sections) untouched
+
+
+def test_a_report_zengine_does_not_make_is_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    given = {
+        "train_batch_size": 1,
+        "tensorboard": {"enabled": True, "output_path": "runs"},
+        "flops_profiler": {"enabled": True},
+        "activation_checkpointing": {"partition_activations": True},
+    }
+    with caplog.at_level("WARNING", logger="zengine"):
+        load_config(given, world_size=1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "zengine: config tensorboard: DeepSpeed's TensorBoard logging, which zengine does not "
+        "produce; ignored",
+        "zengine: config flops_profiler: DeepSpeed's FLOPs profiler, which zengine does not "
+        "produce; ignored",
+        "zengine: config activation_checkpointing: DeepSpeed's activation checkpointing "
+        "settings (zengine has no deepspeed.checkpointing; torch.utils.checkpoint works as it "
+        "is), which zengine does not produce; ignored",
+    ]
+
+
+def test_a_feature_that_would_change_the_training_is_refused() -> None:
+    problems = _problems(
+        {
+            "train_batch_size": 1,
+            "prescale_gradients": True,
+            "amp": {"enabled": True},
+            "zero_optimization": {
+                "stage": 3,
+                "zero_quantized_weights": True,
+                "zero_hpz_partition_size": 8,
+                "cpu_offload": True,
+                "offload_optimizer": {"device": "cpu", "ratio": 0.3},
+            },
+            "gradient_predivide_factor": True,  # not 1: true is not a number here
+        }
+    )
+    assert problems == [
+        "prescale_gradients: DeepSpeed's gradient prescaling, which zengine does not "
+        "implement (got True); remove the key or set it to false",
+        "gradient_predivide_factor: DeepSpeed's gradient pre-divide factor, which zengine "
+        "does not implement (got True); remove the key or set it to 1.0",
+        "amp: DeepSpeed's apex AMP, which zengine does not implement (got {'enabled': True}); "
+        'remove the key or set it to "enabled": false; use "fp16" or "bf16"',
+        "zero_optimization.zero_hpz_partition_size: DeepSpeed's ZeRO++ hpZ, which zengine "
+        "does not implement (got 8); remove the key or set it to 1",
+        "zero_optimization.zero_quantized_weights: DeepSpeed's ZeRO++ quantized weights, "
+        "which zengine does not implement (got True); remove the key or set it to false",
+        "zero_optimization.cpu_offload: DeepSpeed's old cpu_offload key, which zengine does "
+        "not implement (got True); remove the key or set it to false; write "
+        '"offload_optimizer": {"device": "cpu"}',
+        "zero_optimization.offload_optimizer.ratio: DeepSpeed's partial optimizer offload, "
+        "which zengine does not implement (got 0.3); remove the key or set it to 1.0",
+    ]
+
+
+def test_a_misspelt_deepspeed_key_is_still_unknown() -> None:
+    assert _problems({"train_batch_size": 1, "zero_optimization": {"mics_shard_sise": 4}}) == [
+        "zero_optimization.mics_shard_sise: unknown key; did you mean 'mics_shard_size'?"
+    ]
+
+
+def test_communication_in_another_dtype_is_refused() -> None:
+    assert _problems(
+        {"train_batch_size": 1, "bf16": {"enabled": True}, "communication_data_type": "fp32"}
+    ) == [
+        "communication_data_type: gradients are reduced in the model's compute dtype (bf16); "
+        "reducing them in 'fp32' is not implemented: remove the key"
     ]
 
 
@@ -458,7 +586,10 @@ def test_deepspeed_feature_without_support() -> None:
             {"optimizer": {"type": "Adam", "params": []}},
             "optimizer.params: expected an object of keys and values, got []",
         ),
-        ({"seed": 1.5}, "seed: expected an integer, got 1.5"),
+        (
+            {"data_types": {"grad_accum_dtype": "fp64"}},
+            "data_types.grad_accum_dtype: expected 'fp32', 'fp16' or 'bf16', got 'fp64'",
+        ),
         (
             {"communication_data_type": "fp8"},
             "communication_data_type: expected 'fp32', 'fp16' or 'bf16', got 'fp8'",

@@ -8,6 +8,7 @@ against bf16) are checked on the raw dict, so that they are reported alongside t
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,12 +17,14 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import AliasChoices, Field, ValidationError
 
+from zengine._config_deepspeed import keys_at, set_aside
 from zengine._config_errors import ConfigError, describe_validation_error
 from zengine._config_sections import (
     AioConfig,
     BF16Config,
     CheckpointConfig,
     DataType,
+    DataTypesConfig,
     FP16Config,
     OptimizerConfig,
     PipelineConfig,
@@ -32,6 +35,8 @@ from zengine._config_sections import (
 from zpartition import ZeroParamConfig
 
 __all__ = ["ConfigError", "EngineConfig", "load_config"]
+
+log = logging.getLogger("zengine")
 
 _TRAIN, _MICRO, _ACCUMULATION = (
     "train_batch_size",
@@ -66,14 +71,15 @@ class _Sections(_Section):
     empty); None: zoffload's own defaults."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step separately."""
-    gradient_accumulation_dtype: DataType | None = None
-    """The dtype gradients accumulate in; None: the engine's choice."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     communication_data_type: DataType | None = None
-    """The dtype gradients are reduced in; None: the gradients' own."""
-    seed: int | None = None
-    """Seed the random generators with this, if given."""
+    """The dtype gradients are reduced in: only the model's compute dtype (or None) is
+    implemented; another is refused."""
+    dataloader_drop_last: bool = False
+    """The loader built from ``initialize(training_data=...)`` drops a last, shorter
+    micro-batch."""
     zero_allow_untested_optimizer: bool = False
-    """Allow ZeRO with an optimizer the caller built (DeepSpeed refuses one by default)."""
+    """Accepted for DeepSpeed compatibility: zengine runs any torch optimizer at every stage."""
     nonfinite_gradients: Literal["skip", "raise"] = "skip"
     """With bf16 or fp32, what a step does when a gradient holds an inf or NaN: skip it (the
     masters stay as they were; DeepSpeed's behaviour) or raise an error on every rank. With fp16
@@ -99,6 +105,11 @@ class EngineConfig(_Sections):
     """Samples per forward and backward on one rank."""
     gradient_accumulation_steps: _Positive
     """Micro-batches per optimizer step."""
+
+    @property
+    def gradient_accumulation_dtype(self) -> DataType | None:
+        """``data_types.grad_accum_dtype``."""
+        return self.data_types.grad_accum_dtype
 
     @property
     def zero_stage(self) -> int:
@@ -151,18 +162,24 @@ def load_config(
         raise ValueError(
             f"load_config(world_size=...): expected a positive int, got {world_size!r}"
         )
-    data = _read(config)
+    aside = set_aside(_read(config))  # [Note: DeepSpeed keys without a feature]
+    data = aside.data
     problems: list[str] = []
     given: _GivenConfig | None = None
     try:
         given = _GivenConfig.model_validate(data)
     except ValidationError as error:
-        problems += describe_validation_error(error, _GivenConfig)
+        problems += describe_validation_error(error, _GivenConfig, keys_at)
+    problems += aside.problems
     problems += _precision_problems(data)
+    if given is not None:
+        problems += _communication_problems(given)
     batch, batch_problems = _resolve_batch(data, world_size)
     problems += batch_problems
     if problems or given is None or batch is None:
         raise ConfigError(problems)
+    for line in aside.reports:
+        log.warning("zengine: config %s", line)
     sections = {name: getattr(given, name) for name in _Sections.model_fields}
     train, micro, accumulation = batch
     return EngineConfig(
@@ -227,6 +244,17 @@ def _precision_problems(data: Mapping[Any, Any]) -> list[str]:
     if _enabled(data.get("fp16")) and _enabled(data.get(bf16)):
         return [f"{bf16}.enabled: fp16 and bf16 cannot both be enabled; disable one of them"]
     return []
+
+
+def _communication_problems(given: _GivenConfig) -> list[str]:
+    wanted = given.communication_data_type
+    compute = "fp16" if given.fp16.enabled else "bf16" if given.bf16.enabled else "fp32"
+    if wanted is None or wanted == compute:
+        return []
+    return [
+        f"communication_data_type: gradients are reduced in the model's compute dtype "
+        f"({compute}); reducing them in {wanted!r} is not implemented: remove the key"
+    ]
 
 
 def _given_batch_size(data: Mapping[Any, Any], key: str) -> int | None:

@@ -9,41 +9,13 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 __all__ = ["ConfigError", "config_error", "describe_validation_error", "dotted", "show"]
-
-# Top-level DeepSpeed keys for features zstack does not have: saying so beats "unknown key".
-_DEEPSPEED_ONLY = frozenset(
-    {
-        "activation_checkpointing",
-        "amp",
-        "autotuning",
-        "comet",
-        "comms_logger",
-        "compression_training",
-        "csv_monitor",
-        "curriculum_learning",
-        "data_efficiency",
-        "data_types",
-        "dump_state",
-        "elasticity",
-        "flops_profiler",
-        "gradient_predivide_factor",
-        "memory_breakdown",
-        "nebula",
-        "prescale_gradients",
-        "sparse_attention",
-        "sparse_gradients",
-        "tensorboard",
-        "wandb",
-        "zero_force_ds_cpu_optimizer",
-    }
-)
 
 _EXPECTED = {
     "int_type": "an integer",
@@ -100,9 +72,15 @@ def show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def describe_validation_error(error: ValidationError, root: type[BaseModel]) -> list[str]:
-    """One line per error in ``error``, raised while validating a ``root`` model."""
-    return [_describe(details, root) for details in error.errors(include_url=False)]
+def describe_validation_error(
+    error: ValidationError,
+    root: type[BaseModel],
+    more_keys: Callable[[tuple[str, ...]], Iterable[str]] = lambda path: (),
+) -> list[str]:
+    """One line per error in ``error``, raised while validating a ``root`` model. An unknown
+    key's closest match is looked for among the model's keys at its level and ``more_keys``
+    of that level's path (keys taken out before validation)."""
+    return [_describe(details, root, more_keys) for details in error.errors(include_url=False)]
 
 
 def dotted(loc: Iterable[int | str]) -> str:
@@ -113,7 +91,11 @@ def dotted(loc: Iterable[int | str]) -> str:
     return path or "config"
 
 
-def _describe(details: ErrorDetails, root: type[BaseModel]) -> str:
+def _describe(
+    details: ErrorDetails,
+    root: type[BaseModel],
+    more_keys: Callable[[tuple[str, ...]], Iterable[str]],
+) -> str:
     loc = list(details["loc"])
     context = details.get("ctx", {})
     if details["type"] == "zstack_config":
@@ -121,7 +103,7 @@ def _describe(details: ErrorDetails, root: type[BaseModel]) -> str:
             loc.append(context["key"])
         return f"{dotted(loc)}: {context['message']}"
     if details["type"] == "extra_forbidden":
-        return f"{dotted(loc)}: {_unknown_key(root, loc)}"
+        return f"{dotted(loc)}: {_unknown_key(root, loc, more_keys)}"
     return f"{dotted(loc)}: {_what(details)}"
 
 
@@ -147,16 +129,19 @@ def _number(bound: object) -> object:
     return int(bound) if isinstance(bound, float) and bound.is_integer() else bound
 
 
-def _unknown_key(root: type[BaseModel], loc: list[int | str]) -> str:
+def _unknown_key(
+    root: type[BaseModel],
+    loc: list[int | str],
+    more_keys: Callable[[tuple[str, ...]], Iterable[str]],
+) -> str:
     key, model = str(loc[-1]), _model_at(root, loc[:-1])
     if model is None:
         return "unknown key"
     names = _keys(model)
     if key in names:  # the other name of a key that was also given under its main name
         return f"the same key as {names[key]!r} (DeepSpeed's older name); give only one"
-    if len(loc) == 1 and key in _DEEPSPEED_ONLY:
-        return "a DeepSpeed feature that zstack does not support; remove the key"
-    close = difflib.get_close_matches(key, list(names), n=1)
+    level = tuple(str(part) for part in loc[:-1])
+    close = difflib.get_close_matches(key, [*names, *more_keys(level)], n=1)
     if close:
         return f"unknown key; did you mean {close[0]!r}?"
     return f"unknown key (valid keys: {', '.join(sorted(names))})"

@@ -31,6 +31,7 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "CheckpointConfig",
+    "DataTypesConfig",
     "FP16Config",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
@@ -130,7 +131,8 @@ class FP16Config(_Section):
 
     enabled: bool = False
     auto_cast: bool = False
-    """Cast floating-point inputs of the forward to float16."""
+    """Cast the floating-point tensors among the forward's inputs to float16 (the first
+    stage's, in a pipeline)."""
     loss_scale: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """A static loss scale; 0 means dynamic loss scaling."""
     initial_scale_power: int = Field(default=16, ge=0)
@@ -153,6 +155,14 @@ class FP16Config(_Section):
     def initial_dynamic_scale(self) -> float:
         """The first loss scale of dynamic scaling: ``2 ** initial_scale_power``."""
         return float(2**self.initial_scale_power)
+
+
+class DataTypesConfig(_Section):
+    """``data_types``: the dtypes of training state that the precision sections do not set."""
+
+    grad_accum_dtype: DataType | None = None
+    """The dtype ZeRO-3's gradient partitions accumulate in over micro-batches; None: the
+    model's compute dtype."""
 
 
 class BF16Config(_Section):

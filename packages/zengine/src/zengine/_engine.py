@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 import zcomm
@@ -23,7 +24,16 @@ from zengine._progress import Progress
 from zengine._zero_optimizer import ZeroOptimizer
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "half_floats"]
+
+
+def half_floats(inputs: Any) -> Any:
+    """``fp16.auto_cast``: every floating-point tensor in `inputs` (nested in lists, tuples and
+    dicts) as float16, as DeepSpeed casts the forward's inputs; other values as they are."""
+    return pytree.tree_map(
+        lambda x: x.half() if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        inputs,
+    )
 
 
 class Checkpoints(Protocol):
@@ -107,6 +117,8 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._idle_trim.busy()
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = half_floats((args, kwargs))
         with self.progress.timed("forward"):
             output = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():

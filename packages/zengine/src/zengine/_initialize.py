@@ -362,5 +362,5 @@ def _loader(
         batch_size=int(cfg.train_micro_batch_size_per_gpu),
         sampler=sampler,
         collate_fn=collate_fn,
-        drop_last=True,
+        drop_last=cfg.dataloader_drop_last,
     )

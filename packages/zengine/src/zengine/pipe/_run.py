@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import zpipe
+from zengine._engine import half_floats
 from zengine.pipe._errors import PipelineError, describe
 from zengine.pipe._link import frame_size
 from zengine.pipe._payload import unflatten
@@ -248,6 +249,9 @@ class BatchRun:
         slot, virtual, device = self._slot(cmd), self._virtual(cmd), self.engine.device
         if virtual == 0:
             slot.inputs = pytree.tree_map(lambda t: _to(t, device), batch[0])
+            fp16 = self.engine.config.fp16
+            if fp16.enabled and fp16.auto_cast:
+                slot.inputs = half_floats(slot.inputs)
         if virtual == self.last:
             slot.labels = pytree.tree_map(lambda t: _to(t, device), batch[1])
 

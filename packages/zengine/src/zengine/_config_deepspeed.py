@@ -1,0 +1,189 @@
+"""DeepSpeed config keys for features zengine does not have, and what a config holding one gets.
+
+[Note: DeepSpeed keys without a feature]
+DeepSpeed configs carry sections for features a run does not use (``"tensorboard": {"enabled":
+false}``, ``"zero_quantized_weights": false``): a drop-in engine has to take such a config as it
+is, and still never train differently from what the config asks without saying so. Each key
+below is set aside before validation, by what its value asks for:
+
+- nothing (the feature off, or DeepSpeed's default): dropped without a word;
+- a report only (loggers, profilers, the autotuner): dropped with a warning that zengine does
+  not produce it; the training is the same without it;
+- a different training (quantized or hierarchical communication, a partial offload, gradient
+  prescaling, ...): a config error naming the key and the value that would turn it off.
+
+A key that is in neither DeepSpeed nor zengine stays an unknown key, with the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from zengine._config_errors import dotted, show
+
+__all__ = ["SetAside", "keys_at", "set_aside"]
+
+
+def _off(value: object) -> bool:
+    """A section whose ``enabled`` is not true (or that says nothing), or a false flag."""
+    if isinstance(value, Mapping):
+        return value.get("enabled") is not True
+    return value is None or value is False
+
+
+def _is(*inert: object) -> Callable[[object], bool]:
+    """The value is one of `inert` (DeepSpeed's default or "off"), or null; ``true`` is not 1."""
+    return lambda value: (
+        value is None
+        or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert)
+    )
+
+
+def _empty(value: object) -> bool:
+    return value is None or value == {}
+
+
+def _nothing_true(value: object) -> bool:
+    """No flag in the section (at any depth) is true."""
+    if isinstance(value, Mapping):
+        return all(_nothing_true(v) for v in value.values())
+    return value is not True
+
+
+def _anything(value: object) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    path: tuple[str, ...]
+    what: str  # DeepSpeed's feature, as the messages name it
+    inert: Callable[[object], bool]  # the value asks for nothing
+    off: str = ""  # what to write instead, for the error message
+    report: bool = False  # a report only: warn and go on
+
+
+_ZERO, _OPT = "zero_optimization", ("zero_optimization", "offload_optimizer")
+
+_KEYS = (
+    # reports: the training is the same without them
+    _Key(("tensorboard",), "TensorBoard logging", _off, report=True),
+    _Key(("wandb",), "Weights & Biases logging", _off, report=True),
+    _Key(("csv_monitor",), "CSV logging", _off, report=True),
+    _Key(("comet",), "Comet logging", _off, report=True),
+    _Key(("comms_logger",), "communication logger", _off, report=True),
+    _Key(("flops_profiler",), "FLOPs profiler", _off, report=True),
+    _Key(("memory_breakdown",), "memory breakdown", _off, report=True),
+    _Key(("dump_state",), "state dump", _off, report=True),
+    _Key(("autotuning",), "autotuner", _off, report=True),
+    _Key(("timers",), "throughput timers", _nothing_true, report=True),
+    _Key(
+        ("activation_checkpointing",),
+        "activation checkpointing settings (zengine has no deepspeed.checkpointing; "
+        "torch.utils.checkpoint works as it is)",
+        _nothing_true,
+        report=True,
+    ),
+    _Key(("sparse_attention",), "sparse attention kernels", _empty, report=True),
+    # the same training whatever the value
+    _Key(("zero_force_ds_cpu_optimizer",), "CPU Adam", _anything),
+    _Key((_ZERO, "memory_efficient_linear"), "ZeRO-3 linear layer", _anything),
+    _Key((_ZERO, "log_trace_cache_warnings"), "trace cache warnings", _anything),
+    _Key((_ZERO, "use_all_reduce_for_fetch_params"), "all-reduce parameter fetches", _anything),
+    _Key((_ZERO, "elastic_checkpoint"), "elastic checkpoints", _anything),
+    _Key((_ZERO, "cpu_offload_use_pin_memory"), "old pin_memory key", _anything),
+    _Key((_ZERO, "override_module_apply"), "module.apply wrapper", _anything),
+    _Key(("bf16", "immediate_grad_update"), "immediate gradient updates", _anything),
+    _Key(("bfloat16", "immediate_grad_update"), "immediate gradient updates", _anything),
+    # another training: refused unless off
+    _Key(("prescale_gradients",), "gradient prescaling", _is(False), "false"),
+    _Key(("gradient_predivide_factor",), "gradient pre-divide factor", _is(1, 1.0), "1.0"),
+    _Key(("fp32_allreduce",), "fp32 all-reduce", _is(False), "false"),
+    _Key(("disable_allgather",), "disabled all-gathers", _is(False), "false"),
+    _Key(("sparse_gradients",), "sparse embedding gradients", _is(False), "false"),
+    _Key(("amp",), "apex AMP", _off, '"enabled": false; use "fp16" or "bf16"'),
+    _Key(("compression_training",), "compression training", _empty, "{}"),
+    _Key(("data_efficiency",), "data efficiency", _off, '"enabled": false'),
+    _Key(("curriculum_learning",), "curriculum learning", _off, '"enabled": false'),
+    _Key(("elasticity",), "elastic training", _off, '"enabled": false'),
+    _Key(("nebula",), "Nebula checkpoint service", _off, '"enabled": false'),
+    _Key(("hybrid_engine",), "hybrid engine", _off, '"enabled": false'),
+    _Key(("compile",), "DeepCompile", _nothing_true, "false flags"),
+    _Key(("fp16", "fp16_master_weights_and_grads"), "fp16 masters", _is(False), "false"),
+    _Key((_ZERO, "legacy_stage1"), "legacy stage 1", _is(False), "false"),
+    _Key((_ZERO, "zero_hpz_partition_size"), "ZeRO++ hpZ", _is(1), "1"),
+    _Key((_ZERO, "zero_quantized_weights"), "ZeRO++ quantized weights", _is(False), "false"),
+    _Key(
+        (_ZERO, "zero_quantized_nontrainable_weights"),
+        "ZeRO++ quantized frozen weights",
+        _is(False),
+        "false",
+    ),
+    _Key((_ZERO, "zero_quantized_gradients"), "ZeRO++ quantized gradients", _is(False), "false"),
+    _Key((_ZERO, "zeropp_loco_param"), "ZeRO++ LoCo", _empty, "null"),
+    _Key((_ZERO, "mics_shard_size"), "MiCS", _is(-1), "-1"),
+    _Key((_ZERO, "mics_hierarchical_params_gather"), "MiCS gathers", _is(False), "false"),
+    _Key((_ZERO, "pipeline_loading_checkpoint"), "pipelined loading", _is(False), "false"),
+    _Key(
+        (_ZERO, "cpu_offload"),
+        "old cpu_offload key",
+        _is(False),
+        'false; write "offload_optimizer": {"device": "cpu"}',
+    ),
+    _Key(
+        (_ZERO, "cpu_offload_params"),
+        "old cpu_offload_params key",
+        _is(False),
+        'false; write "offload_param": {"device": "cpu"}',
+    ),
+    _Key((*_OPT, "ratio"), "partial optimizer offload", _is(1, 1.0), "1.0"),
+)
+
+
+def keys_at(path: tuple[str, ...]) -> list[str]:
+    """The keys of features zengine does not have in the section at `path` (for suggestions:
+    a misspelt one is still an unknown key, with its right spelling)."""
+    return [key.path[-1] for key in _KEYS if key.path[:-1] == path]
+
+
+@dataclasses.dataclass
+class SetAside:
+    """What `set_aside` took out of a config."""
+
+    data: dict[Any, Any]  # the config without those keys
+    problems: list[str]  # keys asking for another training: config errors
+    reports: list[str]  # keys asking for a report zengine does not make: warnings
+
+
+def set_aside(data: Mapping[Any, Any]) -> SetAside:
+    """Take the DeepSpeed keys of features zengine does not have out of `data` (a copy; the
+    sections on their paths are copied too), sorted as the Note says."""
+    out = SetAside(dict(data), [], [])
+    for key in _KEYS:
+        section: dict[Any, Any] = out.data
+        for name in key.path[:-1]:
+            inner = section.get(name)
+            if not isinstance(inner, Mapping):
+                break  # not there, or not a section: validation reports what is wrong
+            copy = dict(inner)
+            section[name] = copy
+            section = copy
+        else:
+            if key.path[-1] not in section:
+                continue
+            value = section.pop(key.path[-1])
+            if key.inert(value):
+                continue
+            where = dotted(list(key.path))
+            if key.report:
+                out.reports.append(
+                    f"{where}: DeepSpeed's {key.what}, which zengine does not produce; ignored"
+                )
+            else:
+                out.problems.append(
+                    f"{where}: DeepSpeed's {key.what}, which zengine does not implement "
+                    f"(got {show(value)}); remove the key or set it to {key.off}"
+                )
+    return out
