@@ -196,24 +196,29 @@ class OffloadParamConfig(_OffloadConfig):
     """``zero_optimization.offload_param``: where ZeRO-3 keeps partitioned parameters."""
 
     buffer_count: int = Field(default=5, ge=0)
-    """Buffers in the NVMe swap pool."""
+    """Accepted for DeepSpeed compatibility (DeepSpeed's NVMe swap buffers): zoffload sizes
+    its buffers to what it moves."""
     buffer_size: Size = 100_000_000
-    """Elements per NVMe swap buffer."""
+    """Accepted for DeepSpeed compatibility, as ``buffer_count``."""
     max_in_cpu: Size = 1_000_000_000
-    """Parameter elements kept in host memory when offloading to NVMe."""
+    """Accepted for DeepSpeed compatibility: with ``nvme`` every released shard goes to its
+    file."""
 
 
 class OffloadOptimizerConfig(_OffloadConfig):
     """``zero_optimization.offload_optimizer``: where the optimizer state and step live."""
 
     buffer_count: int = Field(default=4, ge=0)
-    """Buffers in the NVMe swap pool (at least the states per parameter)."""
+    """Accepted for DeepSpeed compatibility (DeepSpeed's NVMe swap buffers): zoffload sizes
+    its buffers to what it moves."""
     fast_init: bool = False
-    """Initialise NVMe-offloaded optimizer state quickly."""
+    """Accepted for DeepSpeed compatibility (no effect)."""
     pipeline_read: bool = False
-    """Overlap reading the next tile with the step on this one (NVMe)."""
+    """Accepted for DeepSpeed compatibility: the next tile is always read during the step on
+    this one (and the first during the backward before it)."""
     pipeline_write: bool = False
-    """Overlap writing the previous tile with the step on this one (NVMe)."""
+    """Accepted for DeepSpeed compatibility: the previous tile is always written during the
+    step on this one."""
 
 
 class AioConfig(_Section):
@@ -269,8 +274,11 @@ class ZeroConfig(_Section):
     """Overlap gradient reduction with backward; defaults to true for stage 3 only."""
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
+    """Accepted for DeepSpeed compatibility: stages 2 and 3 always reduce-scatter."""
     reduce_bucket_size: Size = 500_000_000
     allgather_bucket_size: Size = 500_000_000
+    """Accepted for DeepSpeed compatibility (stages 1 and 2 gather the updated partitions in
+    one collective per group)."""
     allgather_partitions: bool = True
     """Accepted for DeepSpeed compatibility."""
     round_robin_gradients: bool = False
