@@ -92,7 +92,15 @@ def initialize(
     else:
         handle = None
         _prepare_dense(model, cfg, group, device)
-        layout = FlatLayout(groups, stage=cfg.zero_stage, group=group, device=device, **offload)
+        layout = FlatLayout(
+            groups,
+            stage=cfg.zero_stage,
+            group=group,
+            device=device,
+            bucket_size=int(cfg.zero_optimization.reduce_bucket_size),
+            overlap=cfg.zero_optimization.overlap_comm,
+            **offload,
+        )
     zero = ZeroOptimizer(
         make_optimizer,
         options,

@@ -1,11 +1,12 @@
 """How parameters and gradients reach the flat partitions, per ZeRO stage.
 
 `FlatLayout` (stages 0, 1, 2): each group's parameters are packed into one flat buffer of the
-compute dtype and become views of it, and their ``.grad`` views of a flat gradient buffer, so
-autograd accumulates in place and a reduction is one collective per group: an all-reduce for
-stage 0, a reduce-scatter at the accumulation boundary for stage 1, after every backward for
-stage 2 (which then keeps only its partition of the gradients). After the step the updated
-partitions are all-gathered back into the parameters.
+compute dtype and become views of it. At stages 0 and 1 their ``.grad`` are views of a flat
+gradient buffer, so autograd accumulates in place and a reduction is one collective per group:
+an all-reduce for stage 0, a reduce-scatter at the accumulation boundary for stage 1. Stage 2
+keeps no full gradients: they are reduced in buckets during every backward and dropped
+([Note: stage 2 buckets] in _stage2_grads.py), each rank keeping its partition. After the step
+the updated partitions are all-gathered back into the parameters.
 
 `ShardedLayout` (stage 3): zpartition owns the parameters; its gradient sink adds each reduced
 shard gradient into the partition's gradient buffer, and after the step the masters are copied
@@ -31,6 +32,7 @@ import zcomm
 import zpartition
 from zengine._offload_param import NvmeShardStore
 from zengine._partitions import Partitions
+from zengine._stage2_grads import Stage2Gradients
 from zpartition import ZeroParameter
 
 __all__ = ["FlatLayout", "ShardedLayout"]
@@ -57,24 +59,31 @@ class FlatLayout:
         device: torch.device,
         master_device: torch.device | None = None,
         own_masters: bool = False,
+        bucket_size: int = 500_000_000,
+        overlap: bool = False,
     ) -> None:
+        """`bucket_size` and `overlap`: stage 2's ``reduce_bucket_size`` and ``overlap_comm``."""
         self.stage = stage
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = [list(g) for g in groups]
         self.flats: list[torch.Tensor] = []  # per group, the parameters' storage
-        self.grad_flats: list[torch.Tensor] = []  # per group, the full gradients' storage
+        self.grad_flats: list[torch.Tensor] = []  # per group, the full gradients (stages 0, 1)
         self.grad_views: list[list[torch.Tensor]] = []
-        pieces, sizes = [], []
+        pieces, sizes, offsets, ranges = [], [], [], []
         for params in self.params:
-            flat, grads, views, layout = self._pack(params, device)
+            flat, layout = self._pack(params, device)
             self.flats.append(flat)
-            self.grad_flats.append(grads)
-            self.grad_views.append(views)
+            if stage < 2:
+                grads, views = self._grad_views(flat, params, layout)
+                self.grad_flats.append(grads)
+                self.grad_views.append(views)
             size = flat.numel() if stage == 0 else flat.numel() // self.world
             lo = 0 if stage == 0 else self.rank * size
             pieces.append(self._pieces(params, layout, lo, lo + size))
             sizes.append(size)
+            offsets.append(list(zip(params, layout, strict=True)))
+            ranges.append((lo, size))
         # fp32 parameters are their own masters: the optimizer steps this rank's slice in place
         master_device = master_device or device
         self.aliased = (
@@ -90,23 +99,46 @@ class FlatLayout:
         if not self.aliased:
             for master, part in zip(self.partitions.masters, mine, strict=True):
                 master.copy_(part)
+        self._stage2 = (
+            Stage2Gradients(
+                offsets,
+                self.flats,
+                self.partitions.grads,
+                ranges,
+                group=group,
+                bucket_size=bucket_size,
+                overlap=overlap,
+            )
+            if stage == 2
+            else None
+        )
 
     def _pack(
         self, params: list[nn.Parameter], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[int]]:
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One flat buffer holding `params`, which become views of it; their offsets."""
         total = sum(p.numel() for p in params)
         dtype = params[0].dtype if params else torch.float32
         flat = torch.zeros(_padded(total, self.world), dtype=dtype, device=device)
-        grads = torch.zeros_like(flat)
-        views, offsets, offset = [], [], 0
+        offsets, offset = [], 0
         for p in params:
             n = p.numel()
             flat[offset : offset + n].copy_(p.data.reshape(-1))
             p.data = flat[offset : offset + n].view_as(p)
-            views.append(grads[offset : offset + n].view_as(p))
             offsets.append(offset)
             offset += n
-        return flat, grads, views, offsets
+        return flat, offsets
+
+    @staticmethod
+    def _grad_views(
+        flat: torch.Tensor, params: list[nn.Parameter], offsets: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A flat gradient buffer like `flat`, and each parameter's view of it."""
+        grads = torch.zeros_like(flat)
+        views = [
+            grads[off : off + p.numel()].view_as(p) for p, off in zip(params, offsets, strict=True)
+        ]
+        return grads, views
 
     @staticmethod
     def _pieces(
@@ -126,17 +158,21 @@ class FlatLayout:
         return flat if self.stage == 0 else flat[self.rank * size : (self.rank + 1) * size]
 
     def before_backward(self, boundary: bool) -> None:
-        """Point every ``.grad`` at the flat gradient buffer again (``zero_grad`` may have
-        set them to None), so autograd accumulates there."""
+        """Stages 0 and 1: point every ``.grad`` at the flat gradient buffer again
+        (``zero_grad`` may have set them to None), so autograd accumulates there."""
+        if self._stage2 is not None:
+            return  # autograd makes each gradient; the buckets take them
         for params, views in zip(self.params, self.grad_views, strict=True):
             for p, view in zip(params, views, strict=True):
                 if p.grad is not view:
                     p.grad = view
 
     def after_backward(self, boundary: bool) -> None:
-        """Reduce the full gradients into the partitions: every backward at stage 2, at the
-        accumulation boundary otherwise (stages 0 and 1 accumulate the full gradients)."""
-        if self.stage == 2 or boundary:
+        """Reduce the gradients into the partitions: the rest of the buckets at stage 2; at
+        the accumulation boundary at stages 0 and 1, which accumulate the full gradients."""
+        if self._stage2 is not None:
+            self._stage2.finish()
+        elif boundary:
             for g, grads in enumerate(self.grad_flats):
                 self._reduce(g, grads)
                 grads.zero_()

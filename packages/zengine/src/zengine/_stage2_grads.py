@@ -1,0 +1,141 @@
+"""Stage 2's gradients: reduced in buckets while backward runs, each full gradient dropped as
+soon as it is in a bucket, so a rank keeps only its partition of the gradients between passes.
+
+[Note: stage 2 buckets]
+Each group's flat parameter range is cut, at parameter boundaries, into buckets of at most
+``reduce_bucket_size`` elements (a larger parameter is a bucket of its own). When autograd has
+accumulated a parameter's gradient, a hook copies it into its bucket (allocated at the bucket's
+first gradient, zeros elsewhere) and drops it. The buckets are reduced in one fixed order on
+every rank, the last first (the order backward usually finishes them): a bucket goes once it
+and every bucket before it in that order are complete, and what is left goes at the end of
+backward (a parameter this rank did not use leaves zeros), so the ranks' collectives pair up
+whatever each rank's graph used. A bucket is all-reduced (average) and each rank adds the part
+that lies in its partition to its gradient partition: twice the bytes of a reduce-scatter (what
+DDP moves), since contiguous parameters mostly lie in one rank's partition, which one
+reduce-scatter cannot aim at. With ``overlap_comm`` the reductions run while backward goes on;
+without, each is waited for when it is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zcomm
+
+__all__ = ["Stage2Gradients"]
+
+
+@dataclasses.dataclass(eq=False)
+class _Bucket:
+    group: int
+    lo: int  # the bucket's range of the group's flat buffer
+    hi: int
+    params: list[tuple[nn.Parameter, int]]  # trainable parameters, their offset in the flat
+    dtype: torch.dtype
+    device: torch.device
+    waiting: int = 0  # gradients still to come in this backward
+    buffer: torch.Tensor | None = None
+    handle: zcomm.Handle | None = None
+
+    def fresh(self) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.hi - self.lo, dtype=self.dtype, device=self.device)
+        return self.buffer
+
+
+class Stage2Gradients:
+    """Reduces the gradients of `params` (per group, with their offsets in the group's flat
+    buffer) into `grads` (per group, this rank's partition ``[lo, lo + size)`` of it)."""
+
+    def __init__(
+        self,
+        params: Sequence[Sequence[tuple[nn.Parameter, int]]],
+        flats: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        partitions: Sequence[tuple[int, int]],
+        *,
+        group: dist.ProcessGroup | None,
+        bucket_size: int,
+        overlap: bool,
+    ) -> None:
+        self.group = group
+        self.overlap = overlap
+        self.grads = list(grads)
+        self.partitions = list(partitions)
+        self._order: list[_Bucket] = []  # reduction order: each group's last bucket first
+        self._bucket_of: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> its bucket, offset
+        for g, (pairs, flat) in enumerate(zip(params, flats, strict=True)):
+            buckets = _cut(g, pairs, flat, max(bucket_size, 1))
+            for bucket in buckets:
+                for p, offset in bucket.params:
+                    self._bucket_of[id(p)] = (bucket, offset - bucket.lo)
+            self._order += reversed(buckets)
+        self._next = 0  # the first bucket of `_order` not started in this backward
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
+            for pairs in params
+            for p, _ in pairs
+            if p.requires_grad
+        ]
+        self._reset()
+
+    def _reset(self) -> None:
+        for bucket in self._order:
+            bucket.waiting = sum(p.requires_grad for p, _ in bucket.params)
+            bucket.buffer, bucket.handle = None, None
+        self._next = 0
+
+    def _arrived(self, param: torch.Tensor) -> None:
+        bucket, offset = self._bucket_of[id(param)]
+        grad = param.grad
+        if grad is not None:
+            bucket.fresh()[offset : offset + grad.numel()].add_(grad.reshape(-1))
+            param.grad = None  # the bucket holds it now
+        bucket.waiting -= 1
+        while self._next < len(self._order) and self._order[self._next].waiting <= 0:
+            self._start(self._order[self._next])
+
+    def _start(self, bucket: _Bucket) -> None:
+        bucket.handle = zcomm.all_reduce(
+            bucket.fresh(), op=zcomm.ReduceOp.AVG, group=self.group, async_op=self.overlap
+        )
+        self._next += 1
+
+    def finish(self) -> None:
+        """The end of a backward: reduce what is left, add every bucket's part in this rank's
+        partition to the gradient partitions, and get ready for the next backward."""
+        while self._next < len(self._order):
+            self._start(self._order[self._next])
+        for bucket in self._order:
+            assert bucket.handle is not None
+            assert bucket.buffer is not None
+            bucket.handle.wait()
+            lo, size = self.partitions[bucket.group]
+            start, stop = max(bucket.lo, lo), min(bucket.hi, lo + size)
+            if start < stop:
+                mine = bucket.buffer[start - bucket.lo : stop - bucket.lo]
+                part = self.grads[bucket.group][start - lo : stop - lo]
+                part.add_(mine if mine.device == part.device else mine.to(part.device))
+        self._reset()
+
+
+def _cut(
+    g: int, pairs: Sequence[tuple[nn.Parameter, int]], flat: torch.Tensor, size: int
+) -> list[_Bucket]:
+    """Group `g`'s buckets, in flat order; the last one reaches the flat's end (padding)."""
+    buckets: list[_Bucket] = []
+    current: list[tuple[nn.Parameter, int]] = []
+    lo = 0
+    for p, offset in pairs:
+        end = offset + p.numel()
+        if current and end - lo > size:
+            buckets.append(_Bucket(g, lo, offset, current, flat.dtype, flat.device))
+            current, lo = [], offset
+        current.append((p, offset))
+    buckets.append(_Bucket(g, lo, flat.numel(), current, flat.dtype, flat.device))
+    return buckets

@@ -1,0 +1,90 @@
+"""ZeRO stage 2: gradients reduced in buckets during backward, each rank keeping only its
+partition of them ([Note: stage 2 buckets] in zengine/_stage2_grads.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zcomm
+import zengine
+from zcomm.testing import DistributedTest
+
+from .test_engine import _run
+
+SMALL_BUCKETS = 3000  # elements: TinyGPT's groups go in many buckets, some one parameter big
+
+
+class TestBuckets(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    @pytest.mark.parametrize("overlap", [True, False])
+    def test_small_buckets_match_plain_pytorch(self, world_size: int, overlap: bool) -> None:
+        zero = {"stage": 2, "reduce_bucket_size": SMALL_BUCKETS, "overlap_comm": overlap}
+        losses, expected = _run(
+            2, world_size, steps=5, micro=1, accumulation=2, zero_optimization=zero
+        )
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_no_full_gradient_is_kept(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        config = _config(stage=2, reduce_bucket_size=50)
+        engine, *_ = zengine.initialize(model=model, config=config)
+        loss = engine(torch.randn(2, 8)).square().mean()
+        engine.backward(loss)
+        assert all(p.grad is None for p in model.parameters())  # dropped into the buckets
+        assert engine.optimizer.layout.grad_flats == []
+        mine = engine.optimizer.partitions.grad_partitions_flat_buffer
+        total = sum(p.numel() for p in model.parameters())
+        assert mine.numel() == -(-total // world_size)  # this rank's share, padded
+        assert bool(mine.ne(0).any())
+        engine.step()
+
+
+class Branchy(nn.Module):
+    """Rank 1 skips the middle layer: its gradient comes from rank 0 alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.middle = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.last = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        if zcomm.get_rank() == 0:
+            x = self.middle(x)
+        return self.last(self.frozen(x)).square().mean()
+
+
+def _config(stage: int, **zero: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, **zero},
+    }
+
+
+class TestUnusedParameters(DistributedTest):
+    world_size = 2
+
+    def test_a_parameter_unused_on_one_rank_reduces_as_at_stage_1(self) -> None:
+        # stage 1 reduces a flat buffer holding zeros for what a rank did not use: the
+        # reference for what stage 2's buckets must give, bucket by bucket
+        results = []
+        for stage, zero in [(1, {}), (2, {"reduce_bucket_size": 40, "overlap_comm": True})]:
+            torch.manual_seed(0)
+            model = Branchy()
+            engine, *_ = zengine.initialize(model=model, config=_config(stage, **zero))
+            g = torch.Generator().manual_seed(1 + zcomm.get_rank())
+            for _ in range(3):
+                engine.backward(engine(torch.randn(2, 8, generator=g)))
+                engine.step()
+            results.append([zengine.safe_get_full_fp32_param(p) for p in model.parameters()])
+        for at_stage_1, at_stage_2 in zip(*results, strict=True):
+            torch.testing.assert_close(at_stage_2, at_stage_1, rtol=1e-6, atol=1e-7)
