@@ -12,7 +12,9 @@ backward (a parameter this rank did not use leaves zeros), so the ranks' collect
 whatever each rank's graph used. A bucket is all-reduced (average) and each rank adds the part
 that lies in its partition to its gradient partition: twice the bytes of a reduce-scatter (what
 DDP moves), since contiguous parameters mostly lie in one rank's partition, which one
-reduce-scatter cannot aim at. With ``overlap_comm`` the reductions run while backward goes on;
+reduce-scatter cannot aim at; a bucket that is a whole group (``reduce_bucket_size`` at least
+the group's size, as DeepSpeed's default 5e8 mostly is) is reduce-scattered instead, straight
+into the partitions. With ``overlap_comm`` the reductions run while backward goes on;
 without, each is waited for when it is started.
 """
 
@@ -41,6 +43,7 @@ class _Bucket:
     waiting: int = 0  # gradients still to come in this backward
     buffer: torch.Tensor | None = None
     handle: zcomm.Handle | None = None
+    scattered: torch.Tensor | None = None  # a whole group's bucket: this rank's partition
 
     def fresh(self) -> torch.Tensor:
         if self.buffer is None:
@@ -64,6 +67,7 @@ class Stage2Gradients:
         overlap: bool,
     ) -> None:
         self.group = group
+        self.world = dist.get_world_size(group)
         self.overlap = overlap
         self.grads = list(grads)
         self.partitions = list(partitions)
@@ -87,7 +91,7 @@ class Stage2Gradients:
     def _reset(self) -> None:
         for bucket in self._order:
             bucket.waiting = sum(p.requires_grad for p, _ in bucket.params)
-            bucket.buffer, bucket.handle = None, None
+            bucket.buffer, bucket.handle, bucket.scattered = None, None, None
         self._next = 0
 
     def _arrived(self, param: torch.Tensor) -> None:
@@ -101,9 +105,20 @@ class Stage2Gradients:
             self._start(self._order[self._next])
 
     def _start(self, bucket: _Bucket) -> None:
-        bucket.handle = zcomm.all_reduce(
-            bucket.fresh(), op=zcomm.ReduceOp.AVG, group=self.group, async_op=self.overlap
-        )
+        buffer, (_, size) = bucket.fresh(), self.partitions[bucket.group]
+        if bucket.lo == 0 and bucket.hi == buffer.numel() == size * self.world:
+            bucket.scattered = buffer.new_empty(size)
+            bucket.handle = zcomm.reduce_scatter_tensor(
+                bucket.scattered,
+                buffer,
+                op=zcomm.ReduceOp.AVG,
+                group=self.group,
+                async_op=self.overlap,
+            )
+        else:
+            bucket.handle = zcomm.all_reduce(
+                buffer, op=zcomm.ReduceOp.AVG, group=self.group, async_op=self.overlap
+            )
         self._next += 1
 
     def finish(self) -> None:
@@ -117,10 +132,14 @@ class Stage2Gradients:
             bucket.handle.wait()
             lo, size = self.partitions[bucket.group]
             start, stop = max(bucket.lo, lo), min(bucket.hi, lo + size)
-            if start < stop:
+            if bucket.scattered is not None:
+                mine = bucket.scattered
+            elif start < stop:
                 mine = bucket.buffer[start - bucket.lo : stop - bucket.lo]
-                part = self.grads[bucket.group][start - lo : stop - lo]
-                part.add_(mine if mine.device == part.device else mine.to(part.device))
+            else:
+                continue
+            part = self.grads[bucket.group][start - lo : stop - lo]
+            part.add_(mine if mine.device == part.device else mine.to(part.device))
         self._reset()
 
 
