@@ -1,12 +1,12 @@
 """How parameters and gradients reach the flat partitions, per ZeRO stage.
 
 `FlatLayout` (stages 0, 1, 2): each group's parameters are packed into one flat buffer of the
-compute dtype and become views of it. At stages 0 and 1 their ``.grad`` are views of a flat
-gradient buffer, so autograd accumulates in place and a reduction is one collective per group:
-an all-reduce for stage 0, a reduce-scatter at the accumulation boundary for stage 1. Stage 2
-keeps no full gradients: they are reduced in buckets during every backward and dropped
-([Note: stage 2 buckets] in _stage2_grads.py), each rank keeping its partition. After the step
-the updated partitions are all-gathered back into the parameters.
+compute dtype and become views of it. The gradients are reduced in buckets while backward runs
+([Note: gradient buckets] in _grad_buckets.py): at stages 0 and 1 the ``.grad`` are views of a
+flat gradient buffer, where autograd accumulates over the micro-batches, reduced during the
+backward that ends the accumulation (all-reduced at stage 0); stage 2 keeps no full gradients:
+each backward's are copied into buckets, reduced and dropped, each rank keeping its partition.
+After the step the updated partitions are all-gathered back into the parameters.
 
 `ShardedLayout` (stage 3): zpartition owns the parameters; its gradient sink adds each reduced
 shard gradient into the partition's gradient buffer, and after the step the masters are copied
@@ -30,9 +30,9 @@ from torch import nn
 
 import zcomm
 import zpartition
+from zengine._grad_buckets import GradBuckets
 from zengine._offload_param import NvmeShardStore
 from zengine._partitions import Partitions
-from zengine._stage2_grads import Stage2Gradients
 from zpartition import ZeroParameter
 
 __all__ = ["FlatLayout", "ShardedLayout"]
@@ -61,9 +61,13 @@ class FlatLayout:
         own_masters: bool = False,
         bucket_size: int = 500_000_000,
         overlap: bool = False,
+        during_backward: bool = True,
     ) -> None:
-        """`bucket_size` and `overlap`: stage 2's ``reduce_bucket_size`` and ``overlap_comm``."""
+        """`bucket_size` and `overlap`: ``reduce_bucket_size`` and ``overlap_comm``. Without
+        `during_backward` (a pipeline, whose batch runs many backward passes and reduces tied
+        weights' gradients after them) stages 0 and 1 reduce when ``after_backward`` says."""
         self.stage = stage
+        self.during_backward = during_backward
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = [list(g) for g in groups]
@@ -99,18 +103,15 @@ class FlatLayout:
         if not self.aliased:
             for master, part in zip(self.partitions.masters, mine, strict=True):
                 master.copy_(part)
-        self._stage2 = (
-            Stage2Gradients(
-                offsets,
-                self.flats,
-                self.partitions.grads,
-                ranges,
-                group=group,
-                bucket_size=bucket_size,
-                overlap=overlap,
-            )
-            if stage == 2
-            else None
+        self._buckets = GradBuckets(
+            offsets,
+            self.flats,
+            self.partitions.grads,
+            ranges,
+            group=group,
+            bucket_size=bucket_size,
+            overlap=overlap,
+            storage=self.grad_flats if stage < 2 else None,
         )
 
     def _pack(
@@ -159,8 +160,10 @@ class FlatLayout:
 
     def before_backward(self, boundary: bool) -> None:
         """Stages 0 and 1: point every ``.grad`` at the flat gradient buffer again
-        (``zero_grad`` may have set them to None), so autograd accumulates there."""
-        if self._stage2 is not None:
+        (``zero_grad`` may have set them to None), so autograd accumulates there, and reduce
+        in this backward if it ends the accumulation. Stage 2 reduces in every backward."""
+        self._buckets.armed = self.stage == 2 or (boundary and self.during_backward)
+        if self.stage == 2:
             return  # autograd makes each gradient; the buckets take them
         for params, views in zip(self.params, self.grad_views, strict=True):
             for p, view in zip(params, views, strict=True):
@@ -168,24 +171,9 @@ class FlatLayout:
                     p.grad = view
 
     def after_backward(self, boundary: bool) -> None:
-        """Reduce the gradients into the partitions: the rest of the buckets at stage 2; at
-        the accumulation boundary at stages 0 and 1, which accumulate the full gradients."""
-        if self._stage2 is not None:
-            self._stage2.finish()
-        elif boundary:
-            for g, grads in enumerate(self.grad_flats):
-                self._reduce(g, grads)
-                grads.zero_()
-
-    def _reduce(self, g: int, grads: torch.Tensor) -> None:
-        mine = self.partitions.grads[g]
-        if self.stage == 0:
-            zcomm.all_reduce(grads, op=zcomm.ReduceOp.AVG, group=self.group)
-            _add_into(mine, grads)
-            return
-        part = grads.new_empty(mine.numel())
-        zcomm.reduce_scatter_tensor(part, grads, op=zcomm.ReduceOp.AVG, group=self.group)
-        _add_into(mine, part)
+        """The buckets not reduced yet, and every bucket's part into the partitions."""
+        if boundary or self.stage == 2:
+            self._buckets.finish()
 
     def tiles(self) -> list[list[nn.Parameter]] | None:
         """None: the step goes whole (one flat master per group; no tiles at stages 0-2)."""

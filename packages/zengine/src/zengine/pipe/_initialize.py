@@ -79,7 +79,10 @@ def initialize_pipeline(
     make_optimizer = _optimizer_factory(optimizer, cfg)
     _prepare_dense(model, cfg, dp_group, device)
     model.sync_tied_weights()
-    layout = FlatLayout(groups, stage=cfg.zero_stage, group=dp_group, device=device)
+    # the gradients are reduced at the schedule's ReduceGrads, after the tied weights' own
+    layout = FlatLayout(
+        groups, stage=cfg.zero_stage, group=dp_group, device=device, during_backward=False
+    )
     zero = PipeZeroOptimizer(
         make_optimizer,
         options,

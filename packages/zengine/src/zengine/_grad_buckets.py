@@ -1,11 +1,14 @@
-"""Stage 2's gradients: reduced in buckets while backward runs, each full gradient dropped as
-soon as it is in a bucket, so a rank keeps only its partition of the gradients between passes.
+"""Gradients reduced in buckets while backward runs (stages 0-2; stage 3's are zpartition's).
 
-[Note: stage 2 buckets]
+[Note: gradient buckets]
 Each group's flat parameter range is cut, at parameter boundaries, into buckets of at most
 ``reduce_bucket_size`` elements (a larger parameter is a bucket of its own). When autograd has
-accumulated a parameter's gradient, a hook copies it into its bucket (allocated at the bucket's
-first gradient, zeros elsewhere) and drops it. The buckets are reduced in one fixed order on
+accumulated a parameter's gradient, a hook marks it arrived in its bucket. At stage 2 the hook
+copies the gradient into the bucket (allocated at the bucket's first gradient, zeros elsewhere)
+and drops it, so a rank keeps no full gradients, only its partition of them; at stages 0 and 1
+the gradients accumulate over the micro-batches in a flat buffer the parameters' ``.grad`` are
+views of, a bucket is a range of that buffer, and the hooks act in the backward that ends the
+accumulation only. The buckets are reduced in one fixed order on
 every rank, the last first (the order backward usually finishes them): a bucket goes once it
 and every bucket before it in that order are complete, and what is left goes at the end of
 backward (a parameter this rank did not use leaves zeros), so the ranks' collectives pair up
@@ -29,7 +32,7 @@ from torch import nn
 
 import zcomm
 
-__all__ = ["Stage2Gradients"]
+__all__ = ["GradBuckets"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,19 +44,26 @@ class _Bucket:
     dtype: torch.dtype
     device: torch.device
     waiting: int = 0  # gradients still to come in this backward
+    view: torch.Tensor | None = None  # stages 0, 1: the bucket's range of the gradient buffer
     buffer: torch.Tensor | None = None
     handle: zcomm.Handle | None = None
     scattered: torch.Tensor | None = None  # a whole group's bucket: this rank's partition
 
     def fresh(self) -> torch.Tensor:
         if self.buffer is None:
-            self.buffer = torch.zeros(self.hi - self.lo, dtype=self.dtype, device=self.device)
+            self.buffer = (
+                self.view
+                if self.view is not None
+                else torch.zeros(self.hi - self.lo, dtype=self.dtype, device=self.device)
+            )
         return self.buffer
 
 
-class Stage2Gradients:
+class GradBuckets:
     """Reduces the gradients of `params` (per group, with their offsets in the group's flat
-    buffer) into `grads` (per group, this rank's partition ``[lo, lo + size)`` of it)."""
+    buffer) into `grads` (per group, this rank's partition ``[lo, lo + size)`` of it; the
+    whole buffer at stage 0). `storage`: the flat gradient buffers the ``.grad`` are views of
+    (stages 0, 1); None: each gradient is copied into its bucket and dropped (stage 2)."""
 
     def __init__(
         self,
@@ -65,8 +75,11 @@ class Stage2Gradients:
         group: dist.ProcessGroup | None,
         bucket_size: int,
         overlap: bool,
+        storage: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.group = group
+        self.storage = None if storage is None else list(storage)
+        self.armed = True  # whether this backward's hooks act (stages 0, 1: the boundary's)
         self.world = dist.get_world_size(group)
         self.overlap = overlap
         self.grads = list(grads)
@@ -78,6 +91,8 @@ class Stage2Gradients:
             for bucket in buckets:
                 for p, offset in bucket.params:
                     self._bucket_of[id(p)] = (bucket, offset - bucket.lo)
+                if self.storage is not None:
+                    bucket.view = self.storage[g][bucket.lo : bucket.hi]
             self._order += reversed(buckets)
         self._next = 0  # the first bucket of `_order` not started in this backward
         self._handles = [
@@ -95,9 +110,11 @@ class Stage2Gradients:
         self._next = 0
 
     def _arrived(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
         bucket, offset = self._bucket_of[id(param)]
         grad = param.grad
-        if grad is not None:
+        if grad is not None and self.storage is None:
             bucket.fresh()[offset : offset + grad.numel()].add_(grad.reshape(-1))
             param.grad = None  # the bucket holds it now
         bucket.waiting -= 1
@@ -140,6 +157,8 @@ class Stage2Gradients:
                 continue
             part = self.grads[bucket.group][start - lo : stop - lo]
             part.add_(mine if mine.device == part.device else mine.to(part.device))
+        for buffer in self.storage or []:
+            buffer.zero_()  # the next accumulation starts from nothing
         self._reset()
 
 

@@ -1,5 +1,5 @@
-"""ZeRO stage 2: gradients reduced in buckets during backward, each rank keeping only its
-partition of them ([Note: stage 2 buckets] in zengine/_stage2_grads.py)."""
+"""Gradients reduced in buckets during backward at stages 0-2, and at stage 2 each rank
+keeping only its partition of them ([Note: gradient buckets] in zengine/_grad_buckets.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ SMALL_BUCKETS = 3000  # elements: TinyGPT's groups go in many buckets, some one 
 
 class TestBuckets(DistributedTest):
     @pytest.mark.parametrize("world_size", [1, 2, 4])
-    @pytest.mark.parametrize("overlap", [True, False])
-    def test_small_buckets_match_plain_pytorch(self, world_size: int, overlap: bool) -> None:
-        zero = {"stage": 2, "reduce_bucket_size": SMALL_BUCKETS, "overlap_comm": overlap}
+    @pytest.mark.parametrize(("stage", "overlap"), [(0, True), (1, True), (2, True), (2, False)])
+    def test_small_buckets_match_plain_pytorch(
+        self, world_size: int, stage: int, overlap: bool
+    ) -> None:
+        # with accumulation: stages 0 and 1 reduce in the last micro-batch's backward only
+        zero = {"stage": stage, "reduce_bucket_size": SMALL_BUCKETS, "overlap_comm": overlap}
         losses, expected = _run(
-            2, world_size, steps=5, micro=1, accumulation=2, zero_optimization=zero
+            stage, world_size, steps=5, micro=1, accumulation=2, zero_optimization=zero
         )
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
 
