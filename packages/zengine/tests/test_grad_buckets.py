@@ -46,6 +46,9 @@ class TestBuckets(DistributedTest):
         assert mine.numel() == -(-total // world_size)  # this rank's share, padded
         assert bool(mine.ne(0).any())
         engine.step()
+        engine.destroy()  # the hooks come off: plain PyTorch keeps its gradients again
+        model(torch.randn(2, 8)).square().mean().backward()
+        assert all(p.grad is not None for p in model.parameters())
 
 
 class Branchy(nn.Module):

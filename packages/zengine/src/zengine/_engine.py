@@ -259,5 +259,8 @@ class Engine(nn.Module):
         if self.partitioned is not None:
             self.partitioned.remove(gather=False)
             self.partitioned = None
+        buckets = getattr(self.optimizer.layout, "buckets", None)  # stages 0-2
+        if buckets is not None:
+            buckets.remove()
         self.optimizer.destroy()
         self._idle_trim.close()

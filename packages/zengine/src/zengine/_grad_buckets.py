@@ -103,6 +103,12 @@ class GradBuckets:
         ]
         self._reset()
 
+    def remove(self) -> None:
+        """Take the hooks off the parameters (the engine is done with them)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def _reset(self) -> None:
         for bucket in self._order:
             bucket.waiting = sum(p.requires_grad for p, _ in bucket.params)

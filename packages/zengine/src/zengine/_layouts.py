@@ -103,7 +103,7 @@ class FlatLayout:
         if not self.aliased:
             for master, part in zip(self.partitions.masters, mine, strict=True):
                 master.copy_(part)
-        self._buckets = GradBuckets(
+        self.buckets = GradBuckets(
             offsets,
             self.flats,
             self.partitions.grads,
@@ -162,7 +162,7 @@ class FlatLayout:
         """Stages 0 and 1: point every ``.grad`` at the flat gradient buffer again
         (``zero_grad`` may have set them to None), so autograd accumulates there, and reduce
         in this backward if it ends the accumulation. Stage 2 reduces in every backward."""
-        self._buckets.armed = self.stage == 2 or (boundary and self.during_backward)
+        self.buckets.armed = self.stage == 2 or (boundary and self.during_backward)
         if self.stage == 2:
             return  # autograd makes each gradient; the buckets take them
         for params, views in zip(self.params, self.grad_views, strict=True):
@@ -173,7 +173,7 @@ class FlatLayout:
     def after_backward(self, boundary: bool) -> None:
         """The buckets not reduced yet, and every bucket's part into the partitions."""
         if boundary or self.stage == 2:
-            self._buckets.finish()
+            self.buckets.finish()
 
     def tiles(self) -> list[list[nn.Parameter]] | None:
         """None: the step goes whole (one flat master per group; no tiles at stages 0-2)."""
