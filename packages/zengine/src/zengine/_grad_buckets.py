@@ -8,17 +8,18 @@ copies the gradient into the bucket (allocated at the bucket's first gradient, z
 and drops it, so a rank keeps no full gradients, only its partition of them; at stages 0 and 1
 the gradients accumulate over the micro-batches in a flat buffer the parameters' ``.grad`` are
 views of, a bucket is a range of that buffer, and the hooks act in the backward that ends the
-accumulation only. The buckets are reduced in one fixed order on
-every rank, the last first (the order backward usually finishes them): a bucket goes once it
-and every bucket before it in that order are complete, and what is left goes at the end of
-backward (a parameter this rank did not use leaves zeros), so the ranks' collectives pair up
-whatever each rank's graph used. A bucket is all-reduced (average) and each rank adds the part
-that lies in its partition to its gradient partition: twice the bytes of a reduce-scatter (what
-DDP moves), since contiguous parameters mostly lie in one rank's partition, which one
-reduce-scatter cannot aim at; a bucket that is a whole group (``reduce_bucket_size`` at least
-the group's size, as DeepSpeed's default 5e8 mostly is) is reduce-scattered instead, straight
-into the partitions. With ``overlap_comm`` the reductions run while backward goes on;
-without, each is waited for when it is started.
+accumulation only.
+
+The buckets are reduced in one fixed order on every rank, the last first (the order backward
+usually finishes them): a bucket goes once it and every bucket before it in that order are
+complete, and what is left goes at the end of backward (a parameter this rank did not use
+leaves zeros), so the ranks' collectives pair up whatever each rank's graph used. A bucket is
+all-reduced (average) and each rank adds the part that lies in its partition to its gradient
+partition: twice the bytes of a reduce-scatter (what DDP moves), since contiguous parameters
+mostly lie in one rank's partition, which one reduce-scatter cannot aim at; a bucket that is a
+whole group (``reduce_bucket_size`` at least the group's size, as DeepSpeed's default 5e8 mostly
+is) is reduce-scattered instead, straight into the partitions. With ``overlap_comm`` the
+reductions run while backward goes on; without, each is waited for when it is started.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class _Bucket:
     group: int
     lo: int  # the bucket's range of the group's flat buffer
     hi: int
-    params: list[tuple[nn.Parameter, int]]  # trainable parameters, their offset in the flat
+    params: list[tuple[nn.Parameter, int]]  # its parameters, with their offsets in the flat
     dtype: torch.dtype
     device: torch.device
     waiting: int = 0  # gradients still to come in this backward
