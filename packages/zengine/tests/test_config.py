@@ -560,13 +560,14 @@ def test_a_misspelt_deepspeed_key_is_still_unknown() -> None:
     ]
 
 
-def test_communication_in_another_dtype_is_refused() -> None:
-    assert _problems(
-        {"train_batch_size": 1, "bf16": {"enabled": True}, "communication_data_type": "fp32"}
-    ) == [
-        "communication_data_type: gradients are reduced in the model's compute dtype (bf16); "
-        "reducing them in 'fp32' is not implemented: remove the key"
-    ]
+def test_communication_data_type_is_the_reduction_dtype() -> None:
+    config = load_config(
+        {"train_batch_size": 1, "bf16": {"enabled": True}, "communication_data_type": "fp32"},
+        world_size=1,
+    )
+    assert config.communication_dtype == torch.float32
+    assert config.zero_param_config().reduce_dtype == torch.float32
+    assert load_config({"train_batch_size": 1}, world_size=1).communication_dtype is None
 
 
 @pytest.mark.parametrize(

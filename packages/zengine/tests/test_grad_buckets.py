@@ -96,3 +96,46 @@ class TestUnusedParameters(DistributedTest):
         for at_stage_1, *at_stage_2 in zip(*results, strict=True):
             for value in at_stage_2:
                 torch.testing.assert_close(value, at_stage_1, rtol=1e-6, atol=1e-7)
+
+
+class OneWeight(nn.Module):
+    """loss = w * x: the gradient of w is x, whatever w is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(1, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w(x).float().sum()
+
+
+class TestCommunicationDtype(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_bf16_gradients_summed_in_fp32_keep_what_bf16_rounds_away(self, stage: int) -> None:
+        # rank 0's gradient is 1, rank 1's 2**-9: their bf16 sum rounds to 1 (8 significant
+        # bits), their fp32 sum does not
+        x = torch.tensor([[1.0 if zcomm.get_rank() == 0 else 2.0**-9]])
+        found = {}
+        for comm in (None, "fp32"):
+            config = {
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                # stage 3's gradient partitions are bf16 by default: would round it again
+                "data_types": {"grad_accum_dtype": "fp32"},
+            }
+            if comm is not None:
+                config["communication_data_type"] = comm
+            torch.manual_seed(0)
+            model = OneWeight()
+            engine, *_ = zengine.initialize(model=model, config=config)
+            engine.backward(engine(x.bfloat16()))
+            grad = zengine.safe_get_full_grad(model.w.weight)
+            assert grad is not None
+            found[comm] = grad.item()
+            engine.step()
+        assert found[None] == 0.5  # DeepSpeed's default: reduced in bf16
+        assert found["fp32"] == (1.0 + 2.0**-9) / 2, (stage, found)

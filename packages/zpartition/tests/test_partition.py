@@ -180,6 +180,42 @@ class TestGradientSink(DistributedTest):
             torch.testing.assert_close(received[p.ds_id], flat[rank * chunk : (rank + 1) * chunk])
 
 
+def _collect(into: list[torch.Tensor]) -> Any:
+    """A gradient sink that keeps what it is given."""
+    return lambda _, grads: into.extend(g.clone() for g in grads)
+
+
+class TestReduceDtype(DistributedTest):
+    world_size = 2
+
+    def test_bf16_gradients_are_summed_in_the_reduce_dtype(self) -> None:
+        # rank 0's gradient is 1, rank 1's 2**-9: summed in bf16 that rounds to 1 (8
+        # significant bits); in float32 it does not. The sink gets the float32 average; without
+        # a sink the shard's .grad comes back in the parameter's dtype.
+        x = torch.tensor([[1.0 if zcomm.get_rank() == 0 else 2.0**-9]], dtype=torch.bfloat16)
+        for reduce_dtype, expected in [(None, 0.5), (torch.float32, (1 + 2.0**-9) / 2)]:
+            received: list[torch.Tensor] = []
+            model = nn.Linear(1, 1, bias=False).bfloat16()
+            config = ZeroParamConfig(param_persistence_threshold=0, reduce_dtype=reduce_dtype)
+            zpartition.partition(model, config=config, gradient_sink=_collect(received))
+            model(x).float().sum().backward()
+            values = [g[0].item() for g in received if g.numel()]
+            assert values == [expected] if zcomm.get_rank() == 0 else values in ([], [0.0])
+            assert all(g.dtype == (reduce_dtype or torch.bfloat16) for g in received)
+        plain = nn.Linear(1, 1, bias=False).bfloat16()
+        config = ZeroParamConfig(param_persistence_threshold=0, reduce_dtype=torch.float32)
+        zpartition.partition(plain, config=config)
+        plain(x).float().sum().backward()
+        assert plain.weight.ds_tensor.grad.dtype == torch.bfloat16
+
+    @pytest.mark.parametrize("world_size", [1])
+    def test_a_reduce_dtype_must_be_a_floating_dtype(self, world_size: int) -> None:
+        with pytest.raises(TypeError, match=r"reduce_dtype must be a floating torch\.dtype"):
+            ZeroParamConfig(reduce_dtype=torch.int32)
+        with pytest.raises(TypeError, match=r"reduce_dtype must be a floating torch\.dtype"):
+            ZeroParamConfig(reduce_dtype="fp32")  # type: ignore[arg-type]
+
+
 class TestRemove(DistributedTest):
     @SIZES
     def test_remove_gives_back_a_plain_model(self, world_size: int) -> None:

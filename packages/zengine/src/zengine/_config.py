@@ -45,6 +45,7 @@ _TRAIN, _MICRO, _ACCUMULATION = (
 )
 
 _Positive = Annotated[int, Field(ge=1)]
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class _Sections(_Section):
@@ -73,8 +74,8 @@ class _Sections(_Section):
     """Time forward, backward and step separately."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     communication_data_type: DataType | None = None
-    """The dtype gradients are reduced in: only the model's compute dtype (or None) is
-    implemented; another is refused."""
+    """The dtype gradients are reduced in (``fp32`` sums bf16 or fp16 gradients without
+    rounding each partial sum); None: the model's compute dtype."""
     dataloader_drop_last: bool = False
     """The loader built from ``initialize(training_data=...)`` drops a last, shorter
     micro-batch."""
@@ -105,6 +106,12 @@ class EngineConfig(_Sections):
     """Samples per forward and backward on one rank."""
     gradient_accumulation_steps: _Positive
     """Micro-batches per optimizer step."""
+
+    @property
+    def communication_dtype(self) -> torch.dtype | None:
+        """``communication_data_type`` as a torch dtype (None when not given)."""
+        name = self.communication_data_type
+        return None if name is None else _TORCH_DTYPES[name]
 
     @property
     def gradient_accumulation_dtype(self) -> DataType | None:
@@ -145,6 +152,7 @@ class EngineConfig(_Sections):
             reduce_bucket_size=zero.reduce_bucket_size,
             overlap_comm=zero.overlap_comm,
             module_granularity_threshold=zero.stage3_module_granularity_threshold,
+            reduce_dtype=self.communication_dtype,
         )
 
 
@@ -172,8 +180,6 @@ def load_config(
         problems += describe_validation_error(error, _GivenConfig, keys_at)
     problems += aside.problems
     problems += _precision_problems(data)
-    if given is not None:
-        problems += _communication_problems(given)
     batch, batch_problems = _resolve_batch(data, world_size)
     problems += batch_problems
     if problems or given is None or batch is None:
@@ -244,17 +250,6 @@ def _precision_problems(data: Mapping[Any, Any]) -> list[str]:
     if _enabled(data.get("fp16")) and _enabled(data.get(bf16)):
         return [f"{bf16}.enabled: fp16 and bf16 cannot both be enabled; disable one of them"]
     return []
-
-
-def _communication_problems(given: _GivenConfig) -> list[str]:
-    wanted = given.communication_data_type
-    compute = "fp16" if given.fp16.enabled else "bf16" if given.bf16.enabled else "fp32"
-    if wanted is None or wanted == compute:
-        return []
-    return [
-        f"communication_data_type: gradients are reduced in the model's compute dtype "
-        f"({compute}); reducing them in {wanted!r} is not implemented: remove the key"
-    ]
 
 
 def _given_batch_size(data: Mapping[Any, Any], key: str) -> int | None:

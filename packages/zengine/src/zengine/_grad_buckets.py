@@ -42,7 +42,7 @@ class _Bucket:
     lo: int  # the bucket's range of the group's flat buffer
     hi: int
     params: list[tuple[nn.Parameter, int]]  # its parameters, with their offsets in the flat
-    dtype: torch.dtype
+    dtype: torch.dtype  # what it is reduced in
     device: torch.device
     waiting: int = 0  # gradients still to come in this backward
     view: torch.Tensor | None = None  # stages 0, 1: the bucket's range of the gradient buffer
@@ -77,8 +77,10 @@ class GradBuckets:
         bucket_size: int,
         overlap: bool,
         storage: Sequence[torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.group = group
+        self.dtype = dtype  # what the reductions run in (communication_data_type); None: as is
         self.storage = None if storage is None else list(storage)
         self.armed = True  # whether this backward's hooks act (stages 0, 1: the boundary's)
         self.world = dist.get_world_size(group)
@@ -88,7 +90,7 @@ class GradBuckets:
         self._order: list[_Bucket] = []  # reduction order: each group's last bucket first
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> its bucket, offset
         for g, (pairs, flat) in enumerate(zip(params, flats, strict=True)):
-            buckets = _cut(g, pairs, flat, max(bucket_size, 1))
+            buckets = _cut(g, pairs, flat, max(bucket_size, 1), dtype or flat.dtype)
             for bucket in buckets:
                 for p, offset in bucket.params:
                     self._bucket_of[id(p)] = (bucket, offset - bucket.lo)
@@ -130,6 +132,8 @@ class GradBuckets:
 
     def _start(self, bucket: _Bucket) -> None:
         buffer, (_, size) = bucket.fresh(), self.partitions[bucket.group]
+        if buffer.dtype != bucket.dtype:  # a range of the gradient buffer, reduced in another
+            buffer = bucket.buffer = buffer.to(bucket.dtype)
         if bucket.lo == 0 and bucket.hi == buffer.numel() == size * self.world:
             bucket.scattered = buffer.new_empty(size)
             bucket.handle = zcomm.reduce_scatter_tensor(
@@ -170,17 +174,22 @@ class GradBuckets:
 
 
 def _cut(
-    g: int, pairs: Sequence[tuple[nn.Parameter, int]], flat: torch.Tensor, size: int
+    g: int,
+    pairs: Sequence[tuple[nn.Parameter, int]],
+    flat: torch.Tensor,
+    size: int,
+    dtype: torch.dtype,
 ) -> list[_Bucket]:
-    """Group `g`'s buckets, in flat order; the last one reaches the flat's end (padding)."""
+    """Group `g`'s buckets, in flat order, reduced in `dtype`; the last one reaches the flat's
+    end (padding)."""
     buckets: list[_Bucket] = []
     current: list[tuple[nn.Parameter, int]] = []
     lo = 0
     for p, offset in pairs:
         end = offset + p.numel()
         if current and end - lo > size:
-            buckets.append(_Bucket(g, lo, offset, current, flat.dtype, flat.device))
+            buckets.append(_Bucket(g, lo, offset, current, dtype, flat.device))
             current, lo = [], offset
         current.append((p, offset))
-    buckets.append(_Bucket(g, lo, flat.numel(), current, flat.dtype, flat.device))
+    buckets.append(_Bucket(g, lo, flat.numel(), current, dtype, flat.device))
     return buckets

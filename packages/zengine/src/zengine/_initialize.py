@@ -99,6 +99,7 @@ def initialize(
             device=device,
             bucket_size=int(cfg.zero_optimization.reduce_bucket_size),
             overlap=cfg.zero_optimization.overlap_comm,
+            reduce_dtype=cfg.communication_dtype,
             **offload,
         )
     zero = ZeroOptimizer(

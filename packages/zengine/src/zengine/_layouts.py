@@ -62,8 +62,10 @@ class FlatLayout:
         bucket_size: int = 500_000_000,
         overlap: bool = False,
         during_backward: bool = True,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        """`bucket_size` and `overlap`: ``reduce_bucket_size`` and ``overlap_comm``. Without
+        """`bucket_size`, `overlap` and `reduce_dtype`: ``reduce_bucket_size``,
+        ``overlap_comm`` and ``communication_data_type``. Without
         `during_backward` (a pipeline, whose batch runs many backward passes and reduces tied
         weights' gradients after them) stages 0 and 1 reduce when ``after_backward`` says."""
         self.stage = stage
@@ -112,6 +114,7 @@ class FlatLayout:
             bucket_size=bucket_size,
             overlap=overlap,
             storage=self.grad_flats if stage < 2 else None,
+            dtype=reduce_dtype,
         )
 
     def _pack(

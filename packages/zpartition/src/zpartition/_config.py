@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import torch
+
 __all__ = ["ZeroParamConfig"]
 
 
@@ -33,6 +35,11 @@ class ZeroParamConfig:
     """Leave each bucket's reduce-scatter in flight while backward goes on (done at its end)."""
     module_granularity_threshold: int = 0
     """Modules whose parameters per layer are at most this become leaves (0: none)."""
+    reduce_dtype: torch.dtype | None = None
+    """The dtype gradients are reduce-scattered in (FSDP2's ``reduce_dtype``, DeepSpeed's
+    ``communication_data_type``): float32 sums bf16 gradients without rounding each partial
+    sum; the reduced shard gradient comes back in the parameter's dtype (or to the gradient
+    sink as reduced). None: each parameter's own dtype."""
     persistent_grad_buckets: bool = False
     """Keep each dtype's gradient bucket between backward passes (DeepSpeed's contiguous
     gradient buffer) instead of allocating it per pass: worth it on accelerators, whose caching
@@ -41,6 +48,15 @@ class ZeroParamConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "reduce_dtype":
+                if value is not None and not (
+                    isinstance(value, torch.dtype) and value.is_floating_point
+                ):
+                    raise TypeError(
+                        f"ZeroParamConfig.reduce_dtype must be a floating torch.dtype or None, "
+                        f"got {value!r}"
+                    )
+                continue
             if field.type == "bool":
                 if not isinstance(value, bool):
                     raise TypeError(f"ZeroParamConfig.{field.name} must be a bool, got {value!r}")

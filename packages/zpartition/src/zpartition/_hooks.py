@@ -286,21 +286,25 @@ class State:
             bucket = None
         if bucket is None:
             width = max(self.bucket_columns.get(group.dtype, 0), group.width)
-            rows = self._kept_rows(group.dtype, width)
-            bucket = GradBucket(group.dtype, width, self.channel, self.root_device, rows)
+            dtype = self.coordinator.config.reduce_dtype or group.dtype
+            rows = self._kept_rows(group.dtype, width, dtype)
+            bucket = GradBucket(dtype, width, self.channel, self.root_device, rows)
             self.buckets[group.dtype] = bucket
         return bucket
 
-    def _kept_rows(self, dtype: torch.dtype, width: int) -> torch.Tensor | None:
-        """The persistent bucket of `dtype` (None without persistent_grad_buckets). One per
-        dtype: a bucket still being reduce-scattered from it is finished first."""
+    def _kept_rows(
+        self, dtype: torch.dtype, width: int, rows_dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The persistent bucket of the gradients of `dtype`, held in `rows_dtype` (None
+        without persistent_grad_buckets). One per dtype: a bucket still being reduce-scattered
+        from it is finished first."""
         if not self.kept_buckets:
             return None
         if dtype in self.buffers_busy:
             self._finish_reductions()
         rows = self.grad_buffers.get(dtype)
         if rows is None or rows.shape[1] < width:
-            rows = torch.empty(self.channel.size, width, dtype=dtype, device=self.root_device)
+            rows = torch.empty(self.channel.size, width, dtype=rows_dtype, device=self.root_device)
             self.grad_buffers[dtype] = rows
         elif rows.untyped_storage().nbytes() == 0:  # freed by offload_states, not reloaded
             rows.untyped_storage().resize_(rows.numel() * rows.element_size())

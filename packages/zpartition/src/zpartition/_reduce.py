@@ -145,7 +145,8 @@ def _accumulate(unit: Unit, group: _GradGroup, mine: torch.Tensor) -> None:
         assert flat is not None
         flat.add_(mine.to(flat.device))
         return
-    flat = mine.to(shards[0].device, copy=True)
+    # in the shards' dtype: a gradient reduced in another (reduce_dtype) comes back as theirs
+    flat = mine.to(shards[0].device, shards[0].dtype, copy=True)
     group.shard_grad = flat
     for s, (off, chunk) in zip(shards, group.columns, strict=True):
         s.grad = flat[off : off + chunk]

@@ -81,7 +81,12 @@ def initialize_pipeline(
     model.sync_tied_weights()
     # the gradients are reduced at the schedule's ReduceGrads, after the tied weights' own
     layout = FlatLayout(
-        groups, stage=cfg.zero_stage, group=dp_group, device=device, during_backward=False
+        groups,
+        stage=cfg.zero_stage,
+        group=dp_group,
+        device=device,
+        during_backward=False,
+        reduce_dtype=cfg.communication_dtype,
     )
     zero = PipeZeroOptimizer(
         make_optimizer,
