@@ -656,7 +656,8 @@ def test_unknown_scheduler_suggests_the_closest() -> None:
     config = {"train_batch_size": 1, "scheduler": {"type": "WarmupCosine"}}
     assert _problems(config) == [
         "scheduler.type: unknown scheduler 'WarmupCosine'; did you mean 'WarmupCosineLR'? "
-        "(supported: WarmupLR, WarmupDecayLR, WarmupCosineLR)"
+        "(supported: WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+        "LRRangeTest, OneCycle)"
     ]
 
 

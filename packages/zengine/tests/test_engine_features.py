@@ -185,6 +185,21 @@ class TestUserOptimizerAndScheduler(DistributedTest):
         assert sched is engine.lr_scheduler
 
 
+class TestOneCycleInTheEngine(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_one_cycle_moves_the_lr_and_adams_first_beta(self, world_size: int) -> None:
+        params = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.05, "cycle_first_step_size": 2}
+        cfg = _config(2, scheduler={"type": "OneCycle", "params": params})
+        engine, optimizer, _, _ = zengine.initialize(model=TinyGPT(), config=cfg)
+        tokens = global_batches(1, 2 * world_size)[0].chunk(world_size)[zcomm.get_rank()]
+        seen: list[float] = []
+        for _ in range(4):
+            _step(engine, tokens)
+            seen += [engine.get_lr()[0], optimizer.param_groups[0]["betas"][0]]
+        # up over 2 steps, down over 2: scale 0.5, 1, 0.5, 0 after steps 0..3 (lr, beta each)
+        assert seen == pytest.approx([0.03, 0.85, 0.05, 0.8, 0.03, 0.85, 0.01, 0.9])
+
+
 class TestConfigOptimizer(DistributedTest):
     @pytest.mark.parametrize("world_size", [1])
     @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The warm-up schedules against values worked out by hand from DeepSpeed's formulas."""
+"""DeepSpeed's schedules against values worked out by hand from DeepSpeed's formulas."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from zengine._lr_schedules import (
+    LRRangeTest,
+    OneCycle,
     WarmupCosineLR,
     WarmupDecayLR,
     WarmupLR,
@@ -253,6 +255,104 @@ def test_bad_arguments_name_the_argument():
         WarmupLR(object())  # type: ignore[arg-type]
 
 
+# --- LRRangeTest ------------------------------------------------------------------------------
+
+
+def test_lr_range_test_continuous_and_staircase():
+    # lr(i) = min_lr * (1 + rate * (i + 1) / size), the quotient floored in staircase mode
+    opt = _sgd(1.0)
+    schedule = LRRangeTest(
+        opt, lr_range_test_min_lr=0.01, lr_range_test_step_size=4, lr_range_test_step_rate=0.5
+    )
+    assert opt.param_groups[0]["lr"] == 0.01  # before the first step
+    seen = _lrs_at(schedule, [0, 2, 7])
+    assert seen[0] == [pytest.approx(0.01 * (1 + 0.5 * 1 / 4))]
+    assert seen[2] == [pytest.approx(0.01 * (1 + 0.5 * 3 / 4))]
+    assert seen[7] == [pytest.approx(0.01 * (1 + 0.5 * 2))]
+    stairs = LRRangeTest(
+        _sgd(1.0, 2.0),
+        lr_range_test_min_lr=[0.01, 0.02],
+        lr_range_test_step_size=4,
+        lr_range_test_staircase=True,
+    )
+    seen = _lrs_at(stairs, [2, 3, 6, 7])
+    assert seen[2] == [0.01, 0.02]  # (2 + 1) // 4 = 0: still the starting lr
+    assert seen[3] == seen[6] == [pytest.approx(0.02), pytest.approx(0.04)]
+    assert seen[7] == [pytest.approx(0.03), pytest.approx(0.06)]
+
+
+# --- OneCycle ---------------------------------------------------------------------------------
+
+
+def _adam() -> torch.optim.Adam:
+    return torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1.0, betas=(0.9, 0.999))
+
+
+def test_one_cycle_goes_up_down_then_decays_with_the_first_beta_against_it():
+    # 4 steps up, 2 down: scale (i + 1) / 4 up to 1 at i = 3, then (x - 1) / (ratio - 1)
+    opt = _adam()
+    schedule = OneCycle(
+        opt,
+        cycle_min_lr=0.1,
+        cycle_max_lr=0.5,
+        cycle_first_step_size=4,
+        cycle_second_step_size=2,
+        decay_lr_rate=0.5,
+        decay_step_size=2,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+        decay_mom_rate=0.1,
+    )
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"]) == (0.1, (0.8, 0.99))  # before the first step
+    expected = {
+        0: (0.1 + 0.4 * 0.25, 0.9 - 0.1 * 0.25),
+        3: (0.5, 0.8),  # the top
+        4: (0.1 + 0.4 * 0.5, 0.9 - 0.1 * 0.5),  # x = 5/6: (5/6 - 1) / (2/3 - 1) = 0.5
+        6: (0.1 / (1 + 0.5 * 1 / 2), 0.9 * (1 + 0.1 * 1 / 2)),  # the first step past the cycle
+        9: (0.1 / (1 + 0.5 * 4 / 2), 0.9 * (1 + 0.1 * 4 / 2)),
+    }
+    for i in range(10):
+        schedule.step()
+        if i in expected:
+            lr, beta = expected[i]
+            assert group["lr"] == pytest.approx(lr), i
+            assert group["betas"][0] == pytest.approx(beta), i
+            assert group["betas"][1] == 0.99
+
+
+def test_one_cycle_without_decay_holds_the_ends_and_skips_momentum_without_betas(caplog):
+    schedule = OneCycle(_adam(), cycle_min_lr=0.1, cycle_max_lr=0.5, cycle_first_step_size=2)
+    lrs = _lrs_at(schedule, [5, 9])
+    assert lrs[5] == lrs[9] == [0.1]  # no decay_step_size: the lr stays at cycle_min_lr
+    assert schedule.get_mom() == 0.9
+    with caplog.at_level("WARNING", logger="zengine"):
+        sgd = OneCycle(_sgd(1.0), cycle_min_lr=0.1, cycle_max_lr=0.5, cycle_first_step_size=2)
+    assert "cycle_momentum is off: SGD has no betas" in caplog.text
+    sgd.step()
+    assert "betas" not in sgd.optimizer.param_groups[0]
+
+
+def test_one_cycle_resumes_where_it_was():
+    first = OneCycle(_adam(), cycle_min_lr=0.1, cycle_max_lr=0.5, cycle_first_step_size=3)
+    _lrs_at(first, [4])
+    resumed = OneCycle(
+        _adam(), cycle_min_lr=0.1, cycle_max_lr=0.5, cycle_first_step_size=3, last_batch_iteration=0
+    )
+    resumed.load_state_dict(first.state_dict())
+    first.step()
+    resumed.step()
+    assert resumed.get_last_lr() == first.get_last_lr()
+    assert resumed.optimizer.param_groups[0]["betas"] == first.optimizer.param_groups[0]["betas"]
+
+
+def test_one_cycle_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match=r"OneCycle\(cycle_first_step_size=...\): must be >= 1"):
+        OneCycle(_adam(), cycle_min_lr=0.1, cycle_max_lr=0.5, cycle_first_step_size=0)
+    with pytest.raises(ValueError, match=r"LRRangeTest\(lr_range_test_step_size=...\)"):
+        LRRangeTest(_adam(), lr_range_test_step_size=1.5)  # type: ignore[arg-type]
+
+
 # --- build_scheduler --------------------------------------------------------------------------
 
 
@@ -271,6 +371,9 @@ def test_build_scheduler_from_config_section():
     assert isinstance(build_scheduler("WarmupLR", _sgd(1.0), {}), WarmupLR)
     cosine = build_scheduler("WarmupCosineLR", _sgd(1.0), {"total_num_steps": 1000})
     assert isinstance(cosine, WarmupCosineLR)
+    one_cycle = {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 10}
+    assert isinstance(build_scheduler("OneCycle", _adam(), one_cycle), OneCycle)
+    assert isinstance(build_scheduler("LRRangeTest", _sgd(1.0), {}), LRRangeTest)
 
 
 def test_build_scheduler_rejects_unknown_names():

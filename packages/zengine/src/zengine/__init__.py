@@ -23,7 +23,7 @@ from zengine._estimate import (
 )
 from zengine._initialize import initialize
 from zengine._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler
-from zengine._lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zengine._lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zengine._offload_states import get_state_devices
 from zengine._zero_optimizer import ZeroOptimizer
 from zengine.utils import (
@@ -49,8 +49,10 @@ __all__ = [
     "DynamicLossScaler",
     "Engine",
     "EngineConfig",
+    "LRRangeTest",
     "MemoryEstimate",
     "MinLossScaleError",
+    "OneCycle",
     "StaticLossScaler",
     "WarmupCosineLR",
     "WarmupDecayLR",

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "OneCycle")
 # DeepSpeed's Adam options, which torch's optimizers do not take: the engine reads, then drops them.
 _DEEPSPEED_OPTIMIZER_OPTIONS = frozenset({"torch_adam", "adam_w_mode"})
 
@@ -115,7 +115,7 @@ class OptimizerConfig(_Section):
 class SchedulerConfig(_Section):
     """``scheduler``: one of DeepSpeed's learning-rate schedules and its arguments."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "OneCycle"]
     """The schedule, spelled canonically (matched case-insensitively)."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the schedule (``warmup_num_steps``, ``warmup_max_lr``, ...)."""

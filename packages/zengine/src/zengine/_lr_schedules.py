@@ -1,4 +1,5 @@
-"""DeepSpeed's warm-up learning-rate schedules: `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`.
+"""DeepSpeed's learning-rate schedules: `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`,
+`LRRangeTest` and `OneCycle`.
 
 Same constructor arguments, same formulas and same stepping protocol as
 ``deepspeed.runtime.lr_schedules``, so a config's ``"scheduler"`` section means the same thing
@@ -15,12 +16,22 @@ warm-up factor is
 ``warmup_min_ratio`` to 1 and then follows a half cosine down to ``cos_min_ratio``, reached at
 step ``total_num_steps - 1``.
 
+`LRRangeTest` multiplies each group's `lr_range_test_min_lr` by ``1 + rate * (i + 1) / size``
+(the quotient floored with `lr_range_test_staircase`). `OneCycle` goes from `cycle_min_lr` up to
+`cycle_max_lr` over `cycle_first_step_size` steps and back over `cycle_second_step_size`, moving
+Adam's first beta the other way between `cycle_max_mom` and `cycle_min_mom`; after the cycle the
+lr is ``cycle_min_lr / (1 + decay_lr_rate * k / decay_step_size)`` at the k-th step past it
+(held at `cycle_min_lr` when either is 0) and the beta ``cycle_max_mom * (1 + decay_mom_rate *
+k / decay_step_size)``. As DeepSpeed's, it sets the second beta to 0.99, and the stair counts
+are accepted and unused.
+
 Unlike DeepSpeed, bad arguments raise ``ValueError`` instead of being logged and replaced.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -29,6 +40,8 @@ from typing import Any, Protocol
 __all__ = [
     "WARMUP_LINEAR_RATE",
     "WARMUP_LOG_RATE",
+    "LRRangeTest",
+    "OneCycle",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
@@ -42,6 +55,9 @@ _WARMUP_TYPES = (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE)
 
 # DeepSpeed never warms up over fewer steps: log(1) would be a division by zero.
 _MIN_WARMUP_STEPS = 2
+_ONE_CYCLE_BETA2 = 0.99  # OneCycle's second beta, whatever the optimizer had (DeepSpeed's)
+
+log = logging.getLogger("zengine")
 
 
 class _HasParamGroups(Protocol):
@@ -69,6 +85,14 @@ def _check_warmup(cls: str, warmup_num_steps: int, warmup_type: str) -> None:
         raise ValueError(
             f"{cls}(warmup_type=...): expected one of {list(_WARMUP_TYPES)}, got {warmup_type!r}"
         )
+
+
+def _check_steps(cls: str, name: str, value: object, *, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{cls}({name}=...): expected an int, got {value!r}")
+    if value < least:
+        raise ValueError(f"{cls}({name}=...): must be >= {least}, got {value}")
+    return value
 
 
 def _check_total(cls: str, total_num_steps: int, warmup_num_steps: int) -> None:
@@ -102,7 +126,7 @@ def _warmup_factor(warmup_type: str, inverse_log_warmup: float, step: int, steps
 
 
 class WarmupScheduler(ABC):
-    """What the three schedules share: the stepping protocol and the checkpointed state.
+    """What the schedules share: the stepping protocol and the checkpointed state.
 
     ``last_batch_iteration`` is the index of the last step taken (-1: none yet). A schedule
     built with ``last_batch_iteration=-1`` writes its step -1 learning rates into the optimizer
@@ -316,10 +340,153 @@ class WarmupCosineLR(WarmupScheduler):
         return [lr * ratio for lr in self.org_lrs]
 
 
+class LRRangeTest(WarmupScheduler):
+    """Raise each group's lr from `lr_range_test_min_lr`, to find where training diverges.
+
+    Args:
+        optimizer: a torch optimizer (or anything exposing its ``param_groups``).
+        lr_range_test_min_lr: the lr before the first step; a float, or one per param group.
+        lr_range_test_step_size: steps per unit of increase.
+        lr_range_test_step_rate: the increase per unit, as a fraction of the starting lr.
+        lr_range_test_staircase: raise the lr once every `lr_range_test_step_size` steps
+            instead of a little at every step.
+        last_batch_iteration: the last step taken; -1 to start from scratch.
+    """
+
+    def __init__(
+        self,
+        optimizer: _HasParamGroups,
+        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        name = type(self).__name__
+        optimizer = _check_optimizer(name, optimizer)
+        super().__init__(optimizer, last_batch_iteration)
+        groups = len(optimizer.param_groups)
+        self.min_lrs = _per_group(name, "lr_range_test_min_lr", lr_range_test_min_lr, groups)
+        self.step_size = _check_steps(
+            name, "lr_range_test_step_size", lr_range_test_step_size, least=1
+        )
+        self.step_rate = float(lr_range_test_step_rate)
+        self.staircase = bool(lr_range_test_staircase)
+        self._start()
+
+    def get_lr(self) -> list[float]:
+        """``min_lr * (1 + rate * (i + 1) / size)``, the quotient floored with staircase."""
+        units = (self.last_batch_iteration + 1) / self.step_size
+        if self.staircase:
+            units = math.floor(units)
+        return [lr * (1.0 + self.step_rate * units) for lr in self.min_lrs]
+
+
+class OneCycle(WarmupScheduler):
+    """One cycle of the lr up and down (and of Adam's first beta down and up), then a decay.
+
+    Args:
+        optimizer: a torch optimizer (or anything exposing its ``param_groups``).
+        cycle_min_lr: the lr at the start and end of the cycle; a float, or one per group.
+        cycle_max_lr: the lr at the top of the cycle; a float, or one per group.
+        decay_lr_rate: how fast the lr decays after the cycle (0: it stays at cycle_min_lr).
+        cycle_first_step_size: steps going up.
+        cycle_second_step_size: steps coming down (None: as many as going up).
+        cycle_first_stair_count, cycle_second_stair_count: accepted, unused (as in DeepSpeed).
+        decay_step_size: steps per unit of decay after the cycle (0: no decay).
+        cycle_momentum: move the first beta against the lr, where the optimizer has betas.
+        cycle_min_mom: the first beta at the top of the cycle.
+        cycle_max_mom: the first beta at the start and end of the cycle.
+        decay_mom_rate: how fast the first beta grows after the cycle (0: it stays).
+        last_batch_iteration: the last step taken; -1 to start from scratch.
+    """
+
+    def __init__(
+        self,
+        optimizer: _HasParamGroups,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float = 0.8,
+        cycle_max_mom: float = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        name = type(self).__name__
+        optimizer = _check_optimizer(name, optimizer)
+        super().__init__(optimizer, last_batch_iteration)
+        groups = len(optimizer.param_groups)
+        self.min_lrs = _per_group(name, "cycle_min_lr", cycle_min_lr, groups)
+        self.max_lrs = _per_group(name, "cycle_max_lr", cycle_max_lr, groups)
+        up = _check_steps(name, "cycle_first_step_size", cycle_first_step_size, least=1)
+        down = up if cycle_second_step_size is None else cycle_second_step_size
+        down = _check_steps(name, "cycle_second_step_size", down, least=1)
+        self.total_size = up + down
+        self.step_ratio = up / self.total_size
+        self.decay_step_size = _check_steps(name, "decay_step_size", decay_step_size, least=0)
+        self.decay_lr_rate = float(decay_lr_rate)
+        self.decay_mom_rate = float(decay_mom_rate)
+        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        self.cycle_momentum = bool(cycle_momentum)
+        if self.cycle_momentum and "betas" not in getattr(optimizer, "defaults", {}):
+            log.warning(
+                "zengine: OneCycle: cycle_momentum is off: %s has no betas",
+                type(optimizer).__name__,
+            )
+            self.cycle_momentum = False
+        self._start()
+
+    def _scale(self) -> float:
+        """Where step ``i`` is in the cycle: 0 at the ends, 1 at the top."""
+        x = (self.last_batch_iteration + 1) / self.total_size
+        x -= math.floor(x)
+        return x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+
+    def _decay_units(self, rate: float) -> float | None:
+        """``rate * k / decay_step_size`` at the k-th step past the cycle; None: no decay."""
+        if self.decay_step_size == 0 or rate == 0:
+            return None
+        k = self.last_batch_iteration - self.total_size + 1
+        return rate * k / self.decay_step_size
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [
+                lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)
+            ]
+        units = self._decay_units(self.decay_lr_rate)
+        return list(self.min_lrs) if units is None else [lo / (1 + units) for lo in self.min_lrs]
+
+    def get_mom(self) -> float:
+        """The first beta at ``last_batch_iteration`` (`cycle_min_mom` before the first step,
+        as DeepSpeed sets it)."""
+        if self.last_batch_iteration < 0:
+            return self.min_mom
+        if self.last_batch_iteration < self.total_size:
+            return self.max_mom - (self.max_mom - self.min_mom) * self._scale()
+        units = self._decay_units(self.decay_mom_rate)
+        return self.max_mom if units is None else self.max_mom * (1 + units)
+
+    def _apply(self, lrs: list[float]) -> None:
+        super()._apply(lrs)
+        if self.cycle_momentum:
+            for group in self.optimizer.param_groups:
+                group["betas"] = (self.get_mom(), _ONE_CYCLE_BETA2)
+
+
 _SCHEDULERS: dict[str, type[WarmupScheduler]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "LRRangeTest": LRRangeTest,
+    "OneCycle": OneCycle,
 }
 
 
