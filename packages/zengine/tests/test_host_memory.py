@@ -10,11 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import zengine
+import zoffload
 from zcomm.testing import DistributedTest
 from zengine._host_memory import IdleTrimmer
 
@@ -162,6 +164,33 @@ class TestEngineIdle(DistributedTest):
         with torch.no_grad():
             engine(tokens)
         assert armed()  # an evaluation has no backward to wait for
+        engine.destroy()
+
+
+class TestStagingBuffers(DistributedTest):
+    world_size = 1
+
+    @needs_glibc
+    def test_an_idle_engine_gives_back_nvme_staging_buffers(self, tmp_path: Path) -> None:
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            },
+        }
+        engine, *_ = zengine.initialize(model=TinyGPT(), config=config)
+        tokens = global_batches(1, 2)[0]
+        for _ in range(2):
+            engine.backward(engine(tokens))
+            engine.step()
+        engine.optimizer.swapper.wait()  # the state's write is done: its buffers are free
+        held = zoffload.default_pool().stats().reserved_bytes
+        assert held > 0
+        trimmer = engine._idle_trim
+        assert _wait_for(lambda: trimmer.trims >= 1)
+        assert zoffload.default_pool().stats().reserved_bytes < held
         engine.destroy()
 
 

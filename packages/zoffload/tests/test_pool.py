@@ -76,6 +76,15 @@ def test_a_hundred_cycles_allocate_nothing_after_the_first(tmp_path, device):
     pool.close()
 
 
+def test_trim_of_one_kind_of_block():
+    pool = HostPool()
+    pool.allocate(1 << 20, pinned=False).release()
+    assert pool.trim(pinned=True) == 0  # no pinned block to give back
+    assert pool.stats().blocks == 1
+    assert pool.trim(pinned=False) == 1 << 20
+    assert pool.stats().blocks == 0
+
+
 def test_trim_and_close():
     pool = HostPool()
     kept = pool.allocate(4096, pinned=False)

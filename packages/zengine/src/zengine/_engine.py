@@ -22,7 +22,7 @@ from zengine._host_memory import IdleTrimmer, trim_heap
 from zengine._offload_states import StateOffloader
 from zengine._progress import Progress
 from zengine._zero_optimizer import ZeroOptimizer
-from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum
+from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum, default_pool
 
 __all__ = ["Engine", "half_floats"]
 
@@ -84,8 +84,11 @@ class Engine(nn.Module):
         self.progress = Progress(self, config)
         self._offloaded = StateOffloader(nvme_offloader(config.aio))
         # Host memory freed by the steps goes back to the system when the engine sits idle
-        # ([Note: returning memory on CPU]); on a GPU the host heap hardly churns.
-        self._idle_trim = IdleTrimmer(enabled=device.type == "cpu")
+        # ([Note: returning memory on CPU]), with NVMe offload's staging buffers (unpinned on
+        # CPU: nothing to pin again); on a GPU the host heap hardly churns.
+        self._idle_trim = IdleTrimmer(
+            enabled=device.type == "cpu", also=lambda: default_pool().trim(pinned=False)
+        )
 
     # -- DeepSpeed's accessors -------------------------------------------------------------
 

@@ -115,10 +115,17 @@ class IdleTrimmer:
     meanwhile. Without glibc, or not ``enabled``, it does nothing."""
 
     def __init__(
-        self, after: float = IDLE_AFTER, above: int = _TRIM_ABOVE, *, enabled: bool = True
+        self,
+        after: float = IDLE_AFTER,
+        above: int = _TRIM_ABOVE,
+        *,
+        enabled: bool = True,
+        also: Callable[[], object] | None = None,
     ) -> None:
+        """`also`: more to give back at each trim (zoffload's unpinned staging buffers)."""
         self.after = after
         self.trims = 0  # how many trims ran (for tests and curiosity)
+        self._also = also
         self._run = _glibc_trimmer(above) if enabled else None
         if self._run is not None:
             _hold_heap()
@@ -169,6 +176,8 @@ class IdleTrimmer:
                 if self._closed:
                     return
                 self._deadline = None
+            if self._also is not None:
+                self._also()
             self._run()
             self.trims += 1
 

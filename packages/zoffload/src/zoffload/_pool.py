@@ -210,12 +210,15 @@ class HostPool:
                 regions_allocated=self._regions_allocated,
             )
 
-    def trim(self) -> int:
-        """Unpin and unmap every block with nothing in use; returns the bytes given back."""
+    def trim(self, *, pinned: bool | None = None) -> int:
+        """Unpin and unmap every block with nothing in use (only the pinned or only the
+        unpinned ones with `pinned`); returns the bytes given back."""
         with self._lock:
             self._collect(block=False)
-            unused = [b for b in self._blocks if b.unused]
-            self._blocks = [b for b in self._blocks if not b.unused]
+            unused = [
+                b for b in self._blocks if b.unused and (pinned is None or b.pinned == pinned)
+            ]
+            self._blocks = [b for b in self._blocks if b not in unused]
         for block in unused:
             block.close()
         return sum(b.nbytes for b in unused)
