@@ -64,7 +64,8 @@ class GradBuckets:
     """Reduces the gradients of `params` (per group, with their offsets in the group's flat
     buffer) into `grads` (per group, this rank's partition ``[lo, lo + size)`` of it; the
     whole buffer at stage 0). `storage`: the flat gradient buffers the ``.grad`` are views of
-    (stages 0, 1); None: each gradient is copied into its bucket and dropped (stage 2)."""
+    (stages 0, 1); None: each gradient is copied into its bucket and dropped (stage 2).
+    `dtype`: what the reductions run in (``communication_data_type``); None: the gradients'."""
 
     def __init__(
         self,
@@ -80,7 +81,6 @@ class GradBuckets:
         dtype: torch.dtype | None = None,
     ) -> None:
         self.group = group
-        self.dtype = dtype  # what the reductions run in (communication_data_type); None: as is
         self.storage = None if storage is None else list(storage)
         self.armed = True  # whether this backward's hooks act (stages 0, 1: the boundary's)
         self.world = dist.get_world_size(group)
