@@ -135,7 +135,7 @@ class WarmupScheduler(ABC):
     """
 
     def __init__(self, optimizer: _HasParamGroups, last_batch_iteration: int) -> None:
-        self.optimizer = optimizer
+        self.optimizer = _check_optimizer(type(self).__name__, optimizer)
         self.last_batch_iteration = last_batch_iteration
         self._last_lr: list[float] | None = None
 
@@ -201,10 +201,9 @@ class WarmupLR(WarmupScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         name = type(self).__name__
-        optimizer = _check_optimizer(name, optimizer)
         _check_warmup(name, warmup_num_steps, warmup_type)
         super().__init__(optimizer, last_batch_iteration)
-        num_groups = len(optimizer.param_groups)
+        num_groups = len(self.optimizer.param_groups)
         self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, num_groups)
         self.max_lrs = _per_group(name, "warmup_max_lr", warmup_max_lr, num_groups)
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs, strict=True)]
@@ -301,7 +300,6 @@ class WarmupCosineLR(WarmupScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         name = type(self).__name__
-        optimizer = _check_optimizer(name, optimizer)
         _check_warmup(name, warmup_num_steps, warmup_type)
         _check_total(name, total_num_steps, warmup_num_steps)
         super().__init__(optimizer, last_batch_iteration)
@@ -312,7 +310,7 @@ class WarmupCosineLR(WarmupScheduler):
         self.warmup_type = warmup_type
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         # The peaks, read before _start() overwrites the groups' lrs.
-        self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        self.org_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self._start()
 
     def get_lr_ratio(self) -> float:
@@ -363,9 +361,8 @@ class LRRangeTest(WarmupScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         name = type(self).__name__
-        optimizer = _check_optimizer(name, optimizer)
         super().__init__(optimizer, last_batch_iteration)
-        groups = len(optimizer.param_groups)
+        groups = len(self.optimizer.param_groups)
         self.min_lrs = _per_group(name, "lr_range_test_min_lr", lr_range_test_min_lr, groups)
         self.step_size = _check_steps(
             name, "lr_range_test_step_size", lr_range_test_step_size, least=1
@@ -419,9 +416,8 @@ class OneCycle(WarmupScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         name = type(self).__name__
-        optimizer = _check_optimizer(name, optimizer)
         super().__init__(optimizer, last_batch_iteration)
-        groups = len(optimizer.param_groups)
+        groups = len(self.optimizer.param_groups)
         self.min_lrs = _per_group(name, "cycle_min_lr", cycle_min_lr, groups)
         self.max_lrs = _per_group(name, "cycle_max_lr", cycle_max_lr, groups)
         up = _check_steps(name, "cycle_first_step_size", cycle_first_step_size, least=1)
@@ -434,10 +430,10 @@ class OneCycle(WarmupScheduler):
         self.decay_mom_rate = float(decay_mom_rate)
         self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
         self.cycle_momentum = bool(cycle_momentum)
-        if self.cycle_momentum and "betas" not in getattr(optimizer, "defaults", {}):
+        if self.cycle_momentum and "betas" not in getattr(self.optimizer, "defaults", {}):
             log.warning(
                 "zengine: OneCycle: cycle_momentum is off: %s has no betas",
-                type(optimizer).__name__,
+                type(self.optimizer).__name__,
             )
             self.cycle_momentum = False
         self._start()
