@@ -3,6 +3,7 @@ the user's own optimizer and scheduler, progress lines."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 
@@ -221,6 +222,28 @@ class TestConfigOptimizer(DistributedTest):
         tokens = global_batches(1, 2)[0]
         first = _step(engine, tokens).item()
         assert _step(engine, tokens).item() < first
+
+
+class TestAdagradFromTheConfig(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_adagrad_steps_as_torchs_on_one_process(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        params = {"lr": 0.05, "eps": 1e-8, "weight_decay": 0.01}
+        cfg = _config(1, optimizer={"type": "adagrad", "params": params})
+        engine, optimizer, _, _ = zengine.initialize(model=model, config=cfg)
+        assert type(optimizer.optimizer) is torch.optim.Adagrad
+        plain = torch.optim.Adagrad(reference.parameters(), lr=0.05, eps=1e-8, weight_decay=0.01)
+        data = global_batches(3, 2 * world_size)
+        for tokens in data:
+            _step(engine, tokens.chunk(world_size)[zcomm.get_rank()])
+            reference(tokens).backward()
+            plain.step()
+            plain.zero_grad()
+        for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+            # fp32 sums in another order (2 ranks), which Adagrad's 1/sqrt(sum g^2) amplifies
+            torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-4, atol=1e-5)
 
 
 class TestProgress(DistributedTest):
