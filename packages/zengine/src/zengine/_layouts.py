@@ -240,9 +240,13 @@ class ShardedLayout:
             pieces, master_device, sizes, grad_dtype, shards=self._masters_of(pieces, tile_of)
         )
         self._grads = {id(p): self.partitions.grad_of(p) for p in every}
-        self._every = every
         self._shards = [p.ds_tensor for p in every]
         self._masters = [self.partitions.master_of(p) for p in every]
+        # id(param) -> (its shard, its master): a tile's write-back looks up only its own
+        self._pair_of = {
+            id(p): (shard, master)
+            for p, shard, master in zip(every, self._shards, self._masters, strict=True)
+        }
         self._same_device = master_device == shard_device  # foreach copies need one device
         # set with offload_param to NVMe: its shards must be in memory for the step
         self.partitioned: zpartition.Partitioned | None = None
@@ -328,12 +332,7 @@ class ShardedLayout:
         elif params is None:
             self._copy(self._shards, self._masters)  # type: ignore[arg-type]
         else:
-            index = {id(p) for p in params}
-            pairs = [
-                (shard, master)
-                for p, shard, master in zip(self._every, self._shards, self._masters, strict=True)
-                if id(p) in index
-            ]
+            pairs = [self._pair_of[id(p)] for p in params]
             self._copy([d for d, _ in pairs], [m for _, m in pairs])  # type: ignore[misc]
         if self.partitioned is not None:
             self.partitioned.evict_shards(self._units_of(params))

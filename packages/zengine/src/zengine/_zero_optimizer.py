@@ -220,24 +220,28 @@ class ZeroOptimizer:
         the whole step at once."""
         swapper, tiles = self.swapper, self._tiles
         regrad = low or len(tiles) > 1  # else every fp32 gradient stays attached throughout
+        if regrad:
+            for tensor, _ in self._stepped:
+                tensor.grad = None  # each tile attaches its own gradients while it steps
         for k, tile in enumerate(tiles):
             if swapper is not None:
                 swapper.swap_in(k)
                 swapper.prefetch(k + 1)
             self.layout.before_step(tile.params)
             if regrad:
-                inside = {id(t) for t, _ in tile.stepped}
-                for tensor, grad in self._stepped:
-                    inside_tile = id(tensor) in inside
-                    tensor.grad = (grad.float() if low else grad) if inside_tile else None
+                for tensor, grad in tile.stepped:
+                    tensor.grad = grad.float() if low else grad
             self.optimizer.step()
+            if regrad:
+                for tensor, _ in tile.stepped:
+                    tensor.grad = None
             self.layout.write_back(tile.params)
             if swapper is not None:
                 swapper.swap_out(k)
                 swapper.written(k - 1)  # at most three tiles in memory: k-1's write is done
-        if regrad:
+        if regrad and not low:
             for tensor, grad in self._stepped:  # fp32 gradients stay attached between steps
-                tensor.grad = None if low else grad
+                tensor.grad = grad
         self.layout.after_step()
 
     def _norm_and_overflow(self, grads: torch.Tensor) -> tuple[float, bool]:
