@@ -87,6 +87,25 @@ class TestParity(DistributedTest):
         _train(plain.module, plain, data[:1])
         assert plain.grad_buffers == []  # without the option, buckets live while reduced
 
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_overlapped_buckets_are_finished_as_the_next_is_launched(self, world_size: int) -> None:
+        # small buckets, overlap on: a backward keeps at most one reduction in flight after each
+        # launch (it kept every bucket of the pass until its end)
+        torch.manual_seed(0)
+        model = TinyGPT()
+        handle = zpartition.partition(model, config=CONFIGS["small-buckets-overlap"])
+        in_flight: list[int] = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda _: in_flight.append(len(handle._state.reducing))
+            )
+        _train(model, handle, batches(1, 4))
+        if world_size == 1:
+            assert in_flight == [0] * len(in_flight)  # one rank keeps its gradients
+        else:
+            assert max(in_flight) == 1  # one at a time
+            assert in_flight.count(1) > 1  # of several buckets
+
     @SIZES
     def test_leaf_blocks_match(self, world_size: int) -> None:
         torch.manual_seed(0)

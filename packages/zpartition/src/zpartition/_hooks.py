@@ -99,7 +99,8 @@ class State:
         self.root_device = torch.device("cpu")  # where gradients are computed (set at install)
         self.late_gradients = False  # gradients taken at the end of backward (see install)
         self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
-        self.reducing: list[Callable[[], None]] = []  # reduce-scatters in flight, to finish
+        # reduce-scatters in flight, to finish, with the dtype of the bucket each reads
+        self.reducing: list[tuple[torch.dtype, Callable[[], None]]] = []
         self.kept_buckets = False  # persistent_grad_buckets (set at install)
         self.grad_buffers: dict[torch.dtype, torch.Tensor] = {}  # persistent_grad_buckets
         self.buffers_busy: set[torch.dtype] = set()  # read by a reduce-scatter in flight
@@ -312,18 +313,25 @@ class State:
         return rows[:, :width]
 
     def _flush(self, dtype: torch.dtype | None = None) -> None:
-        """Reduce-scatter the bucket of `dtype` (all buckets by default)."""
+        """Reduce-scatter the bucket of `dtype` (all buckets by default).
+
+        With overlap_comm one bucket is reduced while the next fills, as DeepSpeed's double
+        buffer: the reductions launched before this one are finished once it is launched (they
+        had a bucket's worth of backward to run in), so a backward holds at most two buckets
+        and their results, whatever its size (it held every bucket until its end)."""
         overlap = self.coordinator.config.overlap_comm
         for key in [dtype] if dtype is not None else sorted(self.buckets, key=str):
             bucket = self.buckets.pop(key, None)
             if bucket is not None and bucket.entries:
-                self.reducing.append(bucket.reduce(self.sink, overlap=overlap))
+                finish = bucket.reduce(self.sink, overlap=overlap)
+                self._finish_reductions()
+                self.reducing.append((key, finish))
 
     def _finish_reductions(self) -> None:
         reducing, self.reducing = self.reducing, []
-        for finish in reducing:
+        for dtype, finish in reducing:
             finish()
-        self.buffers_busy.clear()
+            self.buffers_busy.discard(dtype)
 
     def _start_backward(self) -> None:
         self.in_backward = True
