@@ -50,6 +50,26 @@ class TestBuckets(DistributedTest):
         model(torch.randn(2, 8)).square().mean().backward()
         assert all(p.grad is not None for p in model.parameters())
 
+    @pytest.mark.parametrize("world_size", [2])
+    def test_at_most_two_buckets_are_alive_during_backward(self, world_size: int) -> None:
+        # stage 2, small buckets, overlap: a bucket is landed once the next one is started
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+        config = _config(stage=2, reduce_bucket_size=300)
+        engine, *_ = zengine.initialize(model=model, config=config)
+        buckets = engine.optimizer.layout.buckets
+        assert len(buckets._order) >= 6
+        alive: list[int] = []
+        for p in model.parameters():  # after the engine's own hooks
+            p.register_post_accumulate_grad_hook(
+                lambda _: alive.append(sum(b.buffer is not None for b in buckets._order))
+            )
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, 16)).square().mean())
+            engine.step()
+        assert max(alive) == 2  # one reduced while the next fills; every bucket is used
+        engine.destroy()
+
 
 class Branchy(nn.Module):
     """Rank 1 skips the middle layer: its gradient comes from rank 0 alone."""

@@ -19,7 +19,9 @@ partition: twice the bytes of a reduce-scatter (what DDP moves), since contiguou
 mostly lie in one rank's partition, which one reduce-scatter cannot aim at; a bucket that is a
 whole group (``reduce_bucket_size`` at least the group's size, as DeepSpeed's default 5e8 mostly
 is) is reduce-scattered instead, straight into the partitions. With ``overlap_comm`` the
-reductions run while backward goes on; without, each is waited for when it is started.
+reductions run while backward goes on; without, each is waited for when it is started. A
+bucket is landed (waited for, its part added to the partition, let go) once the bucket after it
+is started, so at most two are alive at a time, as in DeepSpeed's double buffer.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class GradBuckets:
                     bucket.view = self.storage[g][bucket.lo : bucket.hi]
             self._order += reversed(buckets)
         self._next = 0  # the first bucket of `_order` not started in this backward
+        self._landed = 0  # the buckets before this one are reduced into the partitions
         self._handles = [
             p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
             for pairs in params
@@ -116,7 +119,7 @@ class GradBuckets:
         for bucket in self._order:
             bucket.waiting = sum(p.requires_grad for p, _ in bucket.params)
             bucket.buffer, bucket.handle, bucket.scattered = None, None, None
-        self._next = 0
+        self._next, self._landed = 0, 0
 
     def _arrived(self, param: torch.Tensor) -> None:
         if not self.armed:
@@ -148,26 +151,35 @@ class GradBuckets:
                 buffer, op=zcomm.ReduceOp.AVG, group=self.group, async_op=self.overlap
             )
         self._next += 1
+        # the buckets started before this one had a bucket's worth of backward to finish in:
+        # landing them now keeps at most two buckets alive (stage 2 held every bucket until
+        # the end of backward, the full gradients over again)
+        self._land(self._next - 1)
 
-    def finish(self) -> None:
-        """The end of a backward: reduce what is left, add every bucket's part in this rank's
-        partition to the gradient partitions, and get ready for the next backward."""
-        while self._next < len(self._order):
-            self._start(self._order[self._next])
-        for bucket in self._order:
+    def _land(self, upto: int) -> None:
+        """Wait for the reductions of the buckets started before `upto` (in order), add their
+        parts in this rank's partition to the gradient partitions, and let go of them."""
+        for bucket in self._order[self._landed : upto]:
             assert bucket.handle is not None
             assert bucket.buffer is not None
             bucket.handle.wait()
             lo, size = self.partitions[bucket.group]
             start, stop = max(bucket.lo, lo), min(bucket.hi, lo + size)
-            if bucket.scattered is not None:
-                mine = bucket.scattered
-            elif start < stop:
+            mine = bucket.scattered
+            if mine is None and start < stop:
                 mine = bucket.buffer[start - bucket.lo : stop - bucket.lo]
-            else:
-                continue
-            part = self.grads[bucket.group][start - lo : stop - lo]
-            part.add_(mine if mine.device == part.device else mine.to(part.device))
+            if mine is not None:
+                part = self.grads[bucket.group][start - lo : stop - lo]
+                part.add_(mine if mine.device == part.device else mine.to(part.device))
+            bucket.buffer, bucket.handle, bucket.scattered = None, None, None
+        self._landed = max(self._landed, upto)
+
+    def finish(self) -> None:
+        """The end of a backward: reduce what is left, land every bucket, and get ready for the
+        next backward."""
+        while self._next < len(self._order):
+            self._start(self._order[self._next])
+        self._land(len(self._order))
         for buffer in self.storage or []:
             buffer.zero_()  # the next accumulation starts from nothing
         self._reset()
