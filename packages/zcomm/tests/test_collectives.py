@@ -67,16 +67,37 @@ class TestCollectives(DistributedTest):
 
     @SIZES
     @pytest.mark.parametrize("op", ["sum", "avg"])
-    def test_reduce_scatter_tensor(self, world_size: int, op: str) -> None:
+    @pytest.mark.parametrize("scratch", [False, True])
+    def test_reduce_scatter_tensor(self, world_size: int, op: str, scratch: bool) -> None:
         rank = zcomm.get_rank()
         full = _rank_tensor(4 * world_size, rank)
+        given = full.clone()
         out = torch.empty(4)
         reduce_op = zcomm.ReduceOp.SUM if op == "sum" else zcomm.ReduceOp.AVG
-        zcomm.reduce_scatter_tensor(out, full, op=reduce_op, async_op=True).wait()
+        zcomm.reduce_scatter_tensor(
+            out, full, op=reduce_op, async_op=True, scratch_input=scratch
+        ).wait()
         total = sum(_rank_tensor(4 * world_size, r) for r in range(world_size))
         assert isinstance(total, torch.Tensor)
         expected = total if op == "sum" else total / world_size
         torch.testing.assert_close(out, expected[4 * rank : 4 * rank + 4])
+        if not scratch:
+            torch.testing.assert_close(full, given)  # the input is the caller's, untouched
+
+    @pytest.mark.parametrize("world_size", [4])
+    @pytest.mark.parametrize("scratch", [False, True])
+    def test_reduce_scatter_in_a_subgroup_gives_each_its_group_rank_chunk(
+        self, world_size: int, scratch: bool
+    ) -> None:
+        odd, even = zcomm.new_group([1, 3]), zcomm.new_group([0, 2])
+        rank = zcomm.get_rank()
+        group = odd if rank % 2 else even
+        out = torch.empty(2)
+        zcomm.reduce_scatter_tensor(out, _rank_tensor(4, rank), group=group, scratch_input=scratch)
+        members = [1, 3] if rank % 2 else [0, 2]
+        total = _rank_tensor(4, members[0]) + _rank_tensor(4, members[1])
+        at = members.index(rank) * 2
+        torch.testing.assert_close(out, total[at : at + 2])
 
     @SIZES
     def test_world_of_one_paths_copy(self, world_size: int) -> None:

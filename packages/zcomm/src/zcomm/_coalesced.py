@@ -167,4 +167,5 @@ def reduce_scatter_coalesced(
         async_op=async_op,
         size=size,
         then=None if direct is not None else copy_out,
+        scratch=True,  # flat_in is this call's own copy
     )

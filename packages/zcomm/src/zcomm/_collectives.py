@@ -181,17 +181,28 @@ def reduce_scatter_tensor(
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    scratch_input: bool = False,
 ) -> Handle:
     """Reduce `input` across `group` with `op` and keep this rank's slice in `output`.
 
     `input` holds group size times as many elements as `output`; rank r receives the r-th
-    contiguous chunk of the reduction.
+    contiguous chunk of the reduction. With `scratch_input` the caller is done with `input`
+    and lets the collective overwrite it, which on gloo saves a copy of it (see `scatter_flat`).
     """
     name = "reduce_scatter_tensor"
     size = _prepare_pair(name, output, input, ("output", "input"), group, result=output)
     if size == 1:
         return completed(name)
-    return scatter_flat(name, output, input, op=op, group=group, async_op=async_op, size=size)
+    return scatter_flat(
+        name,
+        output,
+        input,
+        op=op,
+        group=group,
+        async_op=async_op,
+        size=size,
+        scratch=scratch_input,
+    )
 
 
 def scatter_flat(
@@ -204,13 +215,29 @@ def scatter_flat(
     async_op: bool,
     size: int,
     then: Callable[[], None] | None = None,
+    scratch: bool = False,
 ) -> Handle:
-    """The reduce-scatter itself, unchecked, recorded under `name`; `then` runs after it."""
+    """The reduce-scatter itself, unchecked, recorded under `name`; `then` runs after it.
+
+    gloo's reduce-scatter copies its whole input and takes about twice an all-reduce's time
+    (measured on 2 CPU ranks, 4-256 MiB fp32: 7.5-425 ms against 4.8-232 ms, plus the copy's
+    memory). So on gloo, where the caller lets `input` be overwritten (`scratch`), it is
+    all-reduced in place and this rank's chunk copied out: more bytes on the wire, less time
+    and no copy of the input."""
     finishers = [then] if then is not None else []
     torch_op = op
     if _emulated_avg(op, group):
         finishers.insert(0, _average(output, size))
         torch_op = ReduceOp.SUM
+    in_place = scratch and dist.get_backend(group) == "gloo"
+    if in_place:
+        n = output.numel()
+        mine = input.view(-1)[dist.get_rank(group) * n :][:n]
+
+        def copy_out() -> None:
+            output.view(-1).copy_(mine)
+
+        finishers.insert(0, copy_out)
 
     def finish() -> None:
         for f in finishers:
@@ -219,7 +246,11 @@ def scatter_flat(
     return run(
         name,
         group,
-        lambda a: _reduce_scatter_single(output, input, op=torch_op, group=group, async_op=a),
+        (lambda a: dist.all_reduce(input, op=torch_op, group=group, async_op=a))
+        if in_place
+        else (
+            lambda a: _reduce_scatter_single(output, input, op=torch_op, group=group, async_op=a)
+        ),
         async_op=async_op,
         nbytes=_nbytes(input),
         finish=finish if finishers else None,

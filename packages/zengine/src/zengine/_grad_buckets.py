@@ -145,6 +145,7 @@ class GradBuckets:
                 op=zcomm.ReduceOp.AVG,
                 group=self.group,
                 async_op=self.overlap,
+                scratch_input=True,  # the buffer is dropped, or zeroed (stages 0, 1), after
             )
         else:
             bucket.handle = zcomm.all_reduce(

@@ -86,8 +86,13 @@ class GradBucket:
         rows = self.rows if self.used == self.rows.shape[1] else self.rows[:, : self.used]
         flat = rows.contiguous().view(-1)  # a copy only for a bucket left part-full
         mine = flat.new_empty(self.used)
-        handle = zcomm.reduce_scatter_tensor(
-            mine, flat, op=zcomm.ReduceOp.AVG, group=self.channel.group, async_op=overlap
+        handle = zcomm.reduce_scatter_tensor(  # the bucket is not read again: scratch
+            mine,
+            flat,
+            op=zcomm.ReduceOp.AVG,
+            group=self.channel.group,
+            async_op=overlap,
+            scratch_input=True,
         )
         entries = self.entries
         self.entries, self.rows = [], self.rows[:, :0]
