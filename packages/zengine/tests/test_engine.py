@@ -109,10 +109,18 @@ class TestSteps(DistributedTest):
         engine.step()
         assert engine.global_steps == 0
         torch.testing.assert_close(_full(model.head.weight), before)
+        assert not engine.was_step_applied()
         assert engine.is_gradient_accumulation_boundary()
         engine.backward(engine(tokens))
         engine.step()
         assert engine.global_steps == 1
+        assert engine.was_step_applied()
         assert not torch.equal(_full(model.head.weight), before)
         assert engine.get_global_grad_norm() is not None
         assert engine.get_lr() == [LR]
+        # DeepSpeed's accessors are methods
+        assert engine.zero_optimization_stage() == stage
+        assert (engine.fp16_enabled(), engine.bfloat16_enabled()) == (False, False)
+        assert engine.gradient_clipping() == cfg.get("gradient_clipping", 0.0)
+        assert engine.steps_per_print() == cfg.get("steps_per_print", 10)
+        assert engine.skipped_steps == 0

@@ -138,10 +138,13 @@ class TestFp16(DistributedTest):
         engine.backward(loss * float("inf") if zcomm.get_rank() == 0 else loss)
         engine.step()
         assert optimizer.cur_scale == scale / 2
-        assert optimizer.skipped_steps == 1
+        assert optimizer.skipped_steps == engine.skipped_steps == 1
+        assert not engine.was_step_applied()
+        assert engine.fp16_enabled()
         assert torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
         assert torch.isfinite(masters).all()
         _step(engine, tokens)  # and training goes on
+        assert engine.was_step_applied()
         assert not torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
 
 

@@ -47,7 +47,7 @@ def describe(engine: Any) -> dict[str, Any]:
         "format": FORMAT,
         "zengine": __version__,
         "world_size": dist.get_world_size(engine.optimizer.group),
-        "zero_stage": engine.zero_optimization_stage,
+        "zero_stage": engine.zero_optimization_stage(),
         "loss_scaler": type(scaler).__name__ if scaler is not None else None,
         "optimizer": type(engine.optimizer.optimizer).__name__,
         "param_groups": len(engine.optimizer.param_groups),

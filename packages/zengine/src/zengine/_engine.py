@@ -81,6 +81,7 @@ class Engine(nn.Module):
         self.global_steps = 0  # optimizer steps taken (or skipped on overflow)
         self.global_samples = 0
         self.micro_steps = 0  # backward passes taken
+        self._step_applied = False  # whether the last step() updated the parameters
         self.progress = Progress(self, config)
         self._offloaded = StateOffloader(nvme_offloader(config.aio))
         # Host memory freed by the steps goes back to the system when the engine sits idle
@@ -112,9 +113,31 @@ class Engine(nn.Module):
         """The gradient norm across all ranks at the last step, before clipping."""
         return self.optimizer.global_grad_norm
 
-    @property
     def zero_optimization_stage(self) -> int:
         return int(self.config.zero_stage)
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16_enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16_enabled)
+
+    def gradient_clipping(self) -> float:
+        """The global norm gradients are clipped to (0: no clipping)."""
+        return float(self.config.gradient_clipping)
+
+    def steps_per_print(self) -> int:
+        return int(self.config.steps_per_print)
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the parameters: False between accumulation
+        boundaries and when an overflow skipped the step (not an error, as in DeepSpeed)."""
+        return self._step_applied
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because a gradient overflowed."""
+        return int(self.optimizer.skipped_steps)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -161,10 +184,11 @@ class Engine(nn.Module):
         self.global_samples += self.train_micro_batch_size_per_gpu() * zcomm.get_world_size(
             self.optimizer.group
         )
+        self._step_applied = False
         if not boundary:
             return
         with self.progress.timed("step"):
-            stepped = self.optimizer.step()
+            stepped = self._step_applied = self.optimizer.step()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.global_steps += 1

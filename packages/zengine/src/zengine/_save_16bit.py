@@ -75,7 +75,7 @@ def save_16bit_model(
     """Write ``save_dir/save_filename`` on rank 0 (safetensors when it ends in
     ``.safetensors``); False, with a warning, at stage 3 without the gather switch."""
     zero = engine.config.zero_optimization
-    if engine.zero_optimization_stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+    if engine.zero_optimization_stage() == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
         log.warning(
             "zengine: save_16bit_model did not save: at ZeRO stage 3 it needs "
             "zero_optimization.stage3_gather_16bit_weights_on_model_save: true"

@@ -147,7 +147,7 @@ class PipelineEngine(Engine):
     def optimizer_step(self) -> None:
         """``OptimizerStep``: step, and the LR schedule unless an overflow skipped the step."""
         with self.progress.timed("step"):
-            stepped = self.optimizer.step()
+            stepped = self._step_applied = self.optimizer.step()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
 
