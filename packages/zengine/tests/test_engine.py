@@ -66,6 +66,17 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return value.clone()
 
 
+def _moved(run: Any) -> int:
+    """How many collectives `run()` issued on this rank (zcomm's accounting)."""
+    zcomm.enable_comm_accounting()
+    zcomm.reset_comm_accounting()
+    try:
+        run()
+        return sum(s.count for s in zcomm.comm_summary().values())
+    finally:
+        zcomm.enable_comm_accounting(False)
+
+
 class TestParity(DistributedTest):
     @SIZES
     @STAGES
@@ -95,6 +106,41 @@ class TestParity(DistributedTest):
 
 
 class TestSteps(DistributedTest):
+    @SIZES
+    @pytest.mark.parametrize("stage", [0, 1])
+    def test_no_sync_holds_the_reduction_for_the_next_backward(
+        self, world_size: int, stage: int
+    ) -> None:
+        # backward(a) inside no_sync, then backward(b): the step of one backward of a + b
+        torch.manual_seed(0)
+        model = TinyGPT()
+        twin = copy.deepcopy(model)
+        rank = zcomm.get_rank()
+        a, b = (t[2 * rank : 2 * rank + 2] for t in global_batches(2, 2 * world_size))
+        engine, *_ = zengine.initialize(model=model, config=_config(stage))
+        with engine.no_sync():
+            assert _moved(lambda: engine.backward(engine(a))) == 0
+            with pytest.raises(RuntimeError, match=r"inside engine\.no_sync"):
+                engine.step()
+            with pytest.raises(RuntimeError, match="does not nest"), engine.no_sync():
+                pass
+        assert (_moved(lambda: engine.backward(engine(b))) > 0) == (world_size > 1)
+        engine.step()
+        other, *_ = zengine.initialize(model=twin, config=_config(stage))
+        other.backward(other(a) + other(b))
+        other.step()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(_full(p), _full(q))
+
+    @pytest.mark.parametrize("world_size", [1])
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_no_sync_is_refused_where_gradients_are_partitioned(
+        self, world_size: int, stage: int
+    ) -> None:
+        engine, *_ = zengine.initialize(model=TinyGPT(), config=_config(stage))
+        with pytest.raises(RuntimeError, match=f"stage {stage} partitions"), engine.no_sync():
+            pass
+
     @pytest.mark.parametrize("world_size", [1, 2])
     @STAGES
     def test_step_acts_at_the_boundary_only(self, world_size: int, stage: int) -> None:

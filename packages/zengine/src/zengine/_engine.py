@@ -7,6 +7,7 @@ stage-specific lives in the layout (_layouts.py); everything about the config in
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
@@ -82,6 +83,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0  # backward passes taken
         self._step_applied = False  # whether the last step() updated the parameters
+        self._no_sync = False  # inside no_sync(): backward passes reduce nothing
         self.progress = Progress(self, config)
         self._offloaded = StateOffloader(nvme_offloader(config.aio))
         # Host memory freed by the steps goes back to the system when the engine sits idle
@@ -162,7 +164,7 @@ class Engine(nn.Module):
                 "engine.backward(loss): loss must be a tensor of one element, got "
                 f"{type(loss).__name__}{shape}"
             )
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         with self.progress.timed("backward"):
             if boundary:
                 self.optimizer.prefetch_states()  # NVMe offload: read while backward runs
@@ -177,8 +179,32 @@ class Engine(nn.Module):
         self.progress.record_loss(loss)
         return loss
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside reduce nothing across ranks: the gradients accumulate on each
+        rank, and the next accumulation boundary's backward outside reduces all of it. As
+        DeepSpeed's: stages 0 and 1 only, not nested, and no ``step()`` inside."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise RuntimeError(
+                f"engine.no_sync(): ZeRO stage {stage} partitions gradients while backward runs, "
+                "so they cannot be held back; no_sync works at stages 0 and 1"
+            )
+        if self._no_sync:
+            raise RuntimeError("engine.no_sync(): already inside no_sync(); it does not nest")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
     def step(self) -> None:
         """Step the optimizer at the accumulation boundary; otherwise only count."""
+        if self._no_sync:
+            raise RuntimeError(
+                "engine.step() inside engine.no_sync(): the gradients are not reduced yet; "
+                "step after leaving it"
+            )
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * zcomm.get_world_size(

@@ -258,3 +258,6 @@ class PipelineEngine(Engine):
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
+
+    def no_sync(self) -> Any:
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
