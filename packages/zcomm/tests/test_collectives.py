@@ -84,6 +84,22 @@ class TestCollectives(DistributedTest):
         if not scratch:
             torch.testing.assert_close(full, given)  # the input is the caller's, untouched
 
+    @pytest.mark.parametrize("world_size", [2, 4])
+    def test_reduce_scatter_in_place_into_this_ranks_chunk(self, world_size: int) -> None:
+        rank = zcomm.get_rank()
+        full = _rank_tensor(3 * world_size, rank)
+        mine = full[3 * rank : 3 * rank + 3]
+        zcomm.reduce_scatter_tensor(mine, full, op=zcomm.ReduceOp.AVG, scratch_input=True)
+        total = sum(_rank_tensor(3 * world_size, r) for r in range(world_size))
+        assert isinstance(total, torch.Tensor)
+        torch.testing.assert_close(mine, (total / world_size)[3 * rank : 3 * rank + 3])
+        # anything else that overlaps is refused, on every rank alike
+        other = full[3 * ((rank + 1) % world_size) :][:3]
+        with pytest.raises(ValueError, match="output overlaps input"):
+            zcomm.reduce_scatter_tensor(other, full, scratch_input=True)
+        with pytest.raises(ValueError, match="output overlaps input"):
+            zcomm.reduce_scatter_tensor(mine, full)
+
     @pytest.mark.parametrize("world_size", [4])
     @pytest.mark.parametrize("scratch", [False, True])
     def test_reduce_scatter_in_a_subgroup_gives_each_its_group_rank_chunk(

@@ -187,12 +187,15 @@ def reduce_scatter_tensor(
 
     `input` holds group size times as many elements as `output`; rank r receives the r-th
     contiguous chunk of the reduction. With `scratch_input` the caller is done with `input`
-    and lets the collective overwrite it, which on gloo saves a copy of it (see `scatter_flat`).
+    and lets the collective overwrite it, which on gloo saves a copy of it (see `scatter_flat`);
+    `output` may then be this rank's chunk of `input` itself (in place, as NCCL defines it),
+    which saves the output's memory too.
     """
     name = "reduce_scatter_tensor"
     size = _prepare_pair(name, output, input, ("output", "input"), group, result=output)
     if size == 1:
         return completed(name)
+    _check_overlap(name, output, input, group, scratch_input)
     return scatter_flat(
         name,
         output,
@@ -202,6 +205,25 @@ def reduce_scatter_tensor(
         async_op=async_op,
         size=size,
         scratch=scratch_input,
+    )
+
+
+def _check_overlap(
+    op: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    scratch: bool,
+) -> None:
+    """`output` and `input` apart, or `output` exactly this rank's chunk of a scratch input."""
+    start, end = output.data_ptr(), output.data_ptr() + _nbytes(output)
+    if end <= input.data_ptr() or input.data_ptr() + _nbytes(input) <= start:
+        return
+    if scratch and start == input.data_ptr() + dist.get_rank(group) * _nbytes(output):
+        return
+    raise ValueError(
+        f"{op}: output overlaps input; only this rank's chunk of input can be the output, "
+        "and only with scratch_input=True (an in-place reduce-scatter)"
     )
 
 
@@ -235,7 +257,8 @@ def scatter_flat(
         mine = input.view(-1)[dist.get_rank(group) * n :][:n]
 
         def copy_out() -> None:
-            output.view(-1).copy_(mine)
+            if output.data_ptr() != mine.data_ptr():  # else reduced in place already
+                output.view(-1).copy_(mine)
 
         finishers.insert(0, copy_out)
 

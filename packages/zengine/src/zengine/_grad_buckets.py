@@ -86,6 +86,7 @@ class GradBuckets:
         self.storage = None if storage is None else list(storage)
         self.armed = True  # whether this backward's hooks act (stages 0, 1: the boundary's)
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.overlap = overlap
         self.grads = list(grads)
         self.partitions = list(partitions)
@@ -138,7 +139,8 @@ class GradBuckets:
         if buffer.dtype != bucket.dtype:  # a range of the gradient buffer, reduced in another
             buffer = bucket.buffer = buffer.to(bucket.dtype)
         if bucket.lo == 0 and bucket.hi == buffer.numel() == size * self.world:
-            bucket.scattered = buffer.new_empty(size)
+            # reduced in place: this rank's chunk of the buffer is its partition's part
+            bucket.scattered = buffer[self.rank * size :][:size]
             bucket.handle = zcomm.reduce_scatter_tensor(
                 bucket.scattered,
                 buffer,

@@ -85,8 +85,9 @@ class GradBucket:
         self.channel.agree(Kind.REDUCE, [u.uid for u, _, _ in self.entries])
         rows = self.rows if self.used == self.rows.shape[1] else self.rows[:, : self.used]
         flat = rows.contiguous().view(-1)  # a copy only for a bucket left part-full
-        mine = flat.new_empty(self.used)
-        handle = zcomm.reduce_scatter_tensor(  # the bucket is not read again: scratch
+        # the bucket is not read again: reduced in place, this rank's chunk is the result
+        mine = flat[self.channel.rank * self.used :][: self.used]
+        handle = zcomm.reduce_scatter_tensor(
             mine,
             flat,
             op=zcomm.ReduceOp.AVG,
