@@ -269,6 +269,23 @@ class TestStorageAndStatus(DistributedTest):
             assert zpartition.is_zero_param(p)
             assert not p.ds_persist
 
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_host_shards_asked_pinned_train_alike_without_cuda(self, world_size: int) -> None:
+        # pin_memory is for a CUDA machine; elsewhere the host shards are plain memory
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        cpu = torch.device("cpu")
+        handle = zpartition.partition(
+            model, config=CONFIGS["per-module"], shard_device=cpu, pin_memory=True
+        )
+        pinned = torch.cuda.is_available()
+        assert all(p.ds_tensor.is_pinned() == pinned for p in model.parameters())
+        data = batches(2, 4)
+        torch.testing.assert_close(
+            _train(model, handle, data), reference_losses(reference, data, LR), rtol=1e-5, atol=0
+        )
+
     @SIZES
     def test_statuses_around_forward_and_backward(self, world_size: int) -> None:
         model = TinyGPT()
@@ -459,3 +476,25 @@ class TestErrors(DistributedTest):
             ZeroParamConfig(prefetch_bucket_size="big")  # type: ignore[arg-type]
         from_json = ZeroParamConfig(param_persistence_threshold=1e5)  # type: ignore[arg-type]
         assert from_json.param_persistence_threshold == 100_000
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+class TestPinnedShards(DistributedTest):
+    world_size = 1
+
+    def test_host_shards_of_a_cuda_model_are_pinned(self) -> None:
+        # offload_param's shards: pinned, so each gather's copy to the GPU is asynchronous
+        torch.manual_seed(0)
+        model = TinyGPT().cuda()
+        handle = zpartition.partition(
+            model,
+            config=CONFIGS["per-module"],
+            shard_device=torch.device("cpu"),
+            pin_memory=True,
+        )
+        assert all(p.ds_tensor.is_pinned() for p in model.parameters())
+        assert all(u.shard.is_pinned() for u in handle.units)
+        loss = model(batches(1, 4)[0].cuda())
+        loss.backward()
+        assert torch.isfinite(loss)

@@ -228,7 +228,13 @@ def _stage3(
     asked = "contiguous_gradients" in zero.model_fields_set
     keep = zero.contiguous_gradients and (device.type == "cuda" or asked)
     knobs = dataclasses.replace(cfg.zero_param_config(), persistent_grad_buckets=keep)
-    handle = zpartition.partition(model, config=knobs, group=group, shard_device=shard_device)
+    handle = zpartition.partition(
+        model,
+        config=knobs,
+        group=group,
+        shard_device=shard_device,
+        pin_memory=zero.offload_param.pin_memory,
+    )
     grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]
     layout = ShardedLayout(
         groups,

@@ -181,11 +181,9 @@ class Init:
             recurse=False,
             shard_device=self.remote_device,
             dtype=self.dtype,
+            pin_memory=self.pin_memory and self.remote_device is not None,
         )
         if not params:
             return
-        if self.pin_memory and self.remote_device is not None and torch.cuda.is_available():
-            for p in params:
-                p.ds_tensor = p.ds_tensor.pin_memory()
         channel = channel_for(self.group)
         new_unit(channel.next_unit_id(), type(module).__name__, params, channel, params[0].device)

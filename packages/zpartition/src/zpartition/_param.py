@@ -60,11 +60,14 @@ def next_module_id() -> int:
     return next(_module_ids)
 
 
-def chunk_of(data: torch.Tensor, rank: int, world: int, device: torch.device) -> torch.Tensor:
-    """This rank's chunk of `data` flattened: ceil(n / world) elements, zero-padded at the end."""
+def chunk_of(
+    data: torch.Tensor, rank: int, world: int, device: torch.device, pin: bool = False
+) -> torch.Tensor:
+    """This rank's chunk of `data` flattened: ceil(n / world) elements, zero-padded at the end
+    (in pinned host memory with `pin`)."""
     numel = data.numel()
     chunk = math.ceil(numel / world)
-    out = torch.zeros(chunk, dtype=data.dtype, device=device)
+    out = torch.zeros(chunk, dtype=data.dtype, device=device, pin_memory=pin)
     start, stop = min(rank * chunk, numel), min((rank + 1) * chunk, numel)
     out[: stop - start].copy_(data.reshape(-1)[start:stop])
     return out
@@ -79,13 +82,15 @@ def convert_parameter(
     shard_device: torch.device,
     compute_device: torch.device,
     dtype: torch.dtype | None = None,
+    pin: bool = False,
 ) -> None:
-    """Keep this rank's chunk of `param` (already equal on every rank) and empty its data."""
+    """Keep this rank's chunk of `param` (already equal on every rank; pinned with `pin`) and
+    empty its data."""
     data = param.data if dtype is None or not param.is_floating_point() else param.data.to(dtype)
     param.ds_id = ds_id
     param.ds_numel = data.numel()
     param.ds_shape = data.shape
-    param.ds_tensor = chunk_of(data, rank, world, shard_device)
+    param.ds_tensor = chunk_of(data, rank, world, shard_device, pin)
     param.ds_persist = False
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.ds_active_sub_modules = set()

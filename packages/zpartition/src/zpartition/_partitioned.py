@@ -51,22 +51,26 @@ def convert_module(
     recurse: bool,
     shard_device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    pin_memory: bool = False,
 ) -> list[ZeroParameter]:
-    """Partition the parameters of `module` not partitioned yet; returns them."""
+    """Partition the parameters of `module` not partitioned yet; returns them. `pin_memory`:
+    host shards in pinned memory where CUDA is there (they copy to the GPU asynchronously)."""
     fresh = zero_params(p for p in module.parameters(recurse=recurse) if not hasattr(p, "ds_id"))
     fresh = list({id(p): p for p in fresh}.values())
     _broadcast_params(fresh, group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     channel = channel_for(group)
     for p in fresh:
+        where = shard_device or p.device
         convert_parameter(
             p,
             ds_id=channel.next_param_id(),
             rank=rank,
             world=world,
-            shard_device=shard_device or p.device,
+            shard_device=where,
             compute_device=p.device,
             dtype=dtype,
+            pin=pin_memory and where.type == "cpu" and torch.cuda.is_available(),
         )
     return fresh
 
@@ -213,6 +217,7 @@ def partition(
     group: dist.ProcessGroup | None = None,
     gradient_sink: GradientSink | None = None,
     shard_device: torch.device | None = None,
+    pin_memory: bool = False,
 ) -> Partitioned:
     """Partition `module`'s parameters across `group` (the world by default) and hook it.
 
@@ -221,14 +226,17 @@ def partition(
     after; each rank's averaged gradients land in ``ds_tensor.grad``, or are handed to
     `gradient_sink` (an optimizer keeping its own fp32 gradients does that). `shard_device` is
     where the shards of parameters cut here live (their own device by default; the host for
-    parameter offload: each all-gather then copies the shard to the compute device first).
+    parameter offload: each all-gather then copies the shard to the compute device first);
+    `pin_memory` pins such host shards where CUDA is there, so those copies run asynchronously.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition: module must be an nn.Module, got {type(module).__name__}")
     config = config or ZeroParamConfig()
     if not dist.is_initialized():
         zcomm.init_distributed()
-    convert_module(module, group=group, recurse=True, shard_device=shard_device)
+    convert_module(
+        module, group=group, recurse=True, shard_device=shard_device, pin_memory=pin_memory
+    )
     if config.module_granularity_threshold:
         leaf_modules_by_granularity(module, config.module_granularity_threshold)
     channel = channel_for(group)
