@@ -132,6 +132,36 @@ class TestSteps(DistributedTest):
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(_full(p), _full(q))
 
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @STAGES
+    def test_boundary_set_by_the_caller_as_accelerate_does(
+        self, world_size: int, stage: int
+    ) -> None:
+        # Accelerate: set the boundary before each micro-batch, step() after the last only;
+        # the same training as the engine's own count
+        torch.manual_seed(0)
+        model = TinyGPT()
+        twin = copy.deepcopy(model)
+        cfg = _config(stage, micro=1, accumulation=2)
+        data = global_batches(3, 2 * world_size)
+        engine, *_ = zengine.initialize(model=model, config=cfg)
+        rank = zcomm.get_rank()
+        for tokens in data:
+            pieces = tokens.view(2, world_size, 1, -1)
+            for k in range(2):
+                engine.set_gradient_accumulation_boundary(k == 1)
+                engine.backward(engine(pieces[k, rank]))
+                if k == 1:
+                    engine.step()
+                    assert engine.was_step_applied()
+        assert engine.global_steps == 3
+        other, *_ = zengine.initialize(model=twin, config=cfg)
+        _train(other, data)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(_full(p), _full(q))
+        with pytest.raises(TypeError, match="expected a bool"):
+            engine.set_gradient_accumulation_boundary(1)  # type: ignore[arg-type]
+
     @pytest.mark.parametrize("world_size", [1])
     @pytest.mark.parametrize("stage", [2, 3])
     def test_no_sync_is_refused_where_gradients_are_partitioned(

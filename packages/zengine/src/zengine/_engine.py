@@ -84,6 +84,7 @@ class Engine(nn.Module):
         self.micro_steps = 0  # backward passes taken
         self._step_applied = False  # whether the last step() updated the parameters
         self._no_sync = False  # inside no_sync(): backward passes reduce nothing
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word
         self.progress = Progress(self, config)
         self._offloaded = StateOffloader(nvme_offloader(config.aio))
         # Host memory freed by the steps goes back to the system when the engine sits idle
@@ -105,8 +106,23 @@ class Engine(nn.Module):
         return int(self.config.gradient_accumulation_steps)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next ``step()`` steps the optimizer."""
+        """Whether the next ``step()`` steps the optimizer (and the backward before it reduces
+        the accumulated gradients): every ``gradient_accumulation_steps``-th micro-step, or as
+        `set_gradient_accumulation_boundary` last said."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say yourself whether the coming backward and ``step()`` end an accumulation, as
+        DeepSpeed's (Hugging Face Accelerate drives the engine this way): set it before each
+        micro-batch, True for the last one, and call ``step()`` after that one only."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(
+                "engine.set_gradient_accumulation_boundary(is_boundary): expected a bool, got "
+                f"{is_boundary!r}"
+            )
+        self._boundary = is_boundary
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
