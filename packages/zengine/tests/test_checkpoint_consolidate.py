@@ -124,8 +124,17 @@ class TestSave16bit(DistributedTest):
                 for name, value in expected.items():
                     assert state[name].dtype == torch.bfloat16
                     assert torch.equal(state[name], value)
+        # what Hugging Face Accelerate asks a ZeRO-3 engine for
+        assert engine.zero_gather_16bit_weights_on_model_save()
+        state = engine._zero3_consolidated_16bit_state_dict()
+        if zcomm.get_rank() == 0:
+            assert list(state) == list(expected)
+            assert all(torch.equal(state[k], v) for k, v in expected.items())
+        else:
+            assert state == {}
 
     def test_stage3_without_the_switch_saves_nothing(self, tmp_path: Path) -> None:
         engine = engine_for(3)
+        assert not engine.zero_gather_16bit_weights_on_model_save()
         assert engine.save_16bit_model(tmp_path) is False
         assert not (tmp_path / "pytorch_model.bin").exists()

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -322,6 +323,22 @@ class Engine(nn.Module):
         return _save_16bit.save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters
         )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``stage3_gather_16bit_weights_on_model_save``: whether stage 3 may gather the whole
+        model to save it (Hugging Face Accelerate asks before it does)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The whole model's state dict in the compute dtype, on the host, on rank 0 (empty on
+        the others), gathered one module at a time: DeepSpeed's name, which Hugging Face
+        Accelerate calls to save a ZeRO-3 model. Collective."""
+        from zengine import _save_16bit
+
+        rank = dist.get_rank(self.optimizer.group)
+        return _save_16bit.gathered_state(self, rank, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Take the hooks off and drop the optimizer's buffers (DeepSpeed's ``destroy``)."""

@@ -20,12 +20,12 @@ from zengine._checkpoint_state import persistent_buffers
 from zengine._checkpoint_sync import Sync
 from zengine._safetensors import SafetensorsWriter
 
-__all__ = ["save_16bit_model"]
+__all__ = ["gathered_state", "save_16bit_model"]
 
 log = logging.getLogger("zengine")
 
 
-def _gathered_state(engine: Any, rank: int, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+def gathered_state(engine: Any, rank: int, exclude_frozen: bool) -> dict[str, torch.Tensor]:
     """The module's parameters (gathered module by module at stage 3) and buffers, on the
     host, on rank 0; empty elsewhere. A parameter shared by two modules is saved once."""
     state: dict[str, torch.Tensor] = {}
@@ -83,7 +83,7 @@ def save_16bit_model(
         return False
     sync = Sync(engine.optimizer.group, engine.config.checkpoint.timeout)
     sync.arrive("save_16bit_model")
-    state = _gathered_state(engine, sync.rank, exclude_frozen_parameters)
+    state = gathered_state(engine, sync.rank, exclude_frozen_parameters)
     path = Path(save_dir) / save_filename
     error = None
     if sync.rank == 0:
