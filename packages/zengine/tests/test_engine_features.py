@@ -140,11 +140,14 @@ class TestFp16(DistributedTest):
         assert optimizer.cur_scale == scale / 2
         assert optimizer.skipped_steps == engine.skipped_steps == 1
         assert not engine.was_step_applied()
+        assert optimizer.overflow  # what Hugging Face Accelerate reads as step_was_skipped
+        assert optimizer.loss_scale == optimizer.cur_scale
         assert engine.fp16_enabled()
         assert torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
         assert torch.isfinite(masters).all()
         _step(engine, tokens)  # and training goes on
         assert engine.was_step_applied()
+        assert not optimizer.overflow
         assert not torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
 
 

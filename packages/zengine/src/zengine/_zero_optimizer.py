@@ -96,6 +96,7 @@ class ZeroOptimizer:
         self._tiles = self._tiles_of(layout.tiles())
         self.global_grad_norm: float | None = None  # of the last step, before clipping
         self.skipped_steps = 0
+        self.overflow = False  # whether the last step was skipped for an inf or NaN
         self.swapper: NvmeStateSwapper | None = None  # offload_optimizer to NVMe, else None
 
     def _tiles_of(self, tiles: list[list[nn.Parameter]] | None) -> list[_Tile]:
@@ -161,6 +162,11 @@ class ZeroOptimizer:
     def cur_scale(self) -> float:
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
 
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's other name for `cur_scale` (1.0 without fp16's loss scaling)."""
+        return self.cur_scale
+
     def stepped_tensors(self) -> list[torch.Tensor]:
         """What the torch optimizer steps: flat fp32 masters, or the fp32 shards themselves."""
         return [tensor for tensor, _ in self._stepped]
@@ -176,6 +182,7 @@ class ZeroOptimizer:
         grads = self.partitions.grad_partitions_flat_buffer
         scale = self.cur_scale
         norm_sq, overflow = self._norm_and_overflow(grads)
+        self.overflow = overflow
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
         if overflow and self.loss_scaler is None and self.nonfinite == "raise":
