@@ -94,6 +94,24 @@ class TestResume(DistributedTest):
     def test_frozen_parameters_are_saved(self, stage: int, tmp_path: Path) -> None:
         resume_matches(stage, tmp_path, frozen=True, bf16={"enabled": True})
 
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_module_only_loads_the_weights_alone(self, stage: int, tmp_path: Path) -> None:
+        engine = engine_for(stage)
+        train(engine, global_batches(STEPS, 2 * zcomm.get_world_size()))
+        engine.save_checkpoint(tmp_path)
+        fresh = engine_for(stage, seed=1)
+        lr = fresh.get_lr()
+        path, _ = fresh.load_checkpoint(tmp_path, load_module_only=True)
+        assert path is not None
+        for p, q in zip(engine.module.parameters(), fresh.module.parameters(), strict=True):
+            mine, theirs = (zengine.safe_get_full_fp32_param(t) for t in (p, q))
+            assert mine is not None
+            assert theirs is not None
+            assert torch.equal(mine, theirs)
+        assert fresh.global_steps == 0  # no counters, no schedule, no optimizer state
+        assert fresh.get_lr() == lr
+        assert len(fresh.optimizer.state) == 0
+
     def test_readme_example_resumes(self, tmp_path: Path) -> None:
         code = README.read_text().split("## Checkpoints", 1)[1]
         block = re.search(r"```python\n(.*?)```", code, re.S)

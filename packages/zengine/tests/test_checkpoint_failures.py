@@ -37,6 +37,12 @@ def fingerprint(engine: zengine.Engine) -> list[torch.Tensor]:
     return [t.clone() for t in engine.optimizer.stepped_tensors()]
 
 
+def _full(param: torch.Tensor) -> torch.Tensor:
+    value = zengine.safe_get_full_fp32_param(param)
+    assert value is not None
+    return value.clone()
+
+
 class TestDamagedCheckpoint(DistributedTest):
     world_size = 2
 
@@ -81,6 +87,28 @@ class TestDamagedCheckpoint(DistributedTest):
         )
         with pytest.raises(CheckpointMismatchError, match=r"not in the checkpoint: blocks\.2\."):
             engine.load_checkpoint(tmp_path)
+
+    def test_not_strict_loads_what_both_have(self, tmp_path: Path) -> None:
+        # load_module_strict=False (Hugging Face's Trainer passes it for PEFT models): a model
+        # with a block more takes the saved weights and keeps its own extra block
+        original = saved(tmp_path)
+        want = {n: _full(p) for n, p in original.module.named_parameters()}
+        torch.manual_seed(5)
+        model = TinyGPT(blocks=3)
+        engine, *_ = zengine.initialize(
+            model=model, model_parameters=model.parameters(), config=config(3)
+        )
+        extra = {n: _full(p) for n, p in model.named_parameters() if n.startswith("blocks.2.")}
+        assert extra
+        with pytest.raises(CheckpointMismatchError, match="only with load_optimizer_states=False"):
+            engine.load_checkpoint(tmp_path, load_module_strict=False)
+        path, _ = engine.load_checkpoint(
+            tmp_path, load_module_strict=False, load_optimizer_states=False
+        )
+        assert path is not None
+        for n, p in model.named_parameters():
+            assert torch.equal(_full(p), extra[n] if n in extra else want[n]), n
+        train_global(engine, global_batches(1, 2 * zcomm.get_world_size()))  # and it trains
 
     def test_other_optimizer_names_what_differs(self, tmp_path: Path) -> None:
         saved(tmp_path)

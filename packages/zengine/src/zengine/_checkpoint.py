@@ -174,11 +174,18 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     *,
+    load_module_strict: bool = True,
+    load_module_only: bool = False,
     verify: bool = True,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint saved at any world size and ZeRO stage; ``(path, client_state)``, or
     ``(None, None)`` when `load_dir` holds no ``latest`` and no tag is given (DeepSpeed's).
-    Without `verify` the caller has checked the files' CRCs already (a pipeline's stages)."""
+    `load_module_strict` False: parameters and buffers only one side has are skipped (the
+    model's keep their values); `load_module_only`: the weights alone, not the optimizer, the
+    schedule, the counters or the RNG (both DeepSpeed's). Without `verify` the caller has
+    checked the files' CRCs already (a pipeline's stages)."""
+    if load_module_only:
+        load_optimizer_states = False
     sync = _sync(engine)
     sync.arrive("load_checkpoint")
     engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
@@ -191,7 +198,13 @@ def load_checkpoint(
     try:
         directory = files.resolve(root, tag)
         manifest = files.read_manifest(directory)
-        check(manifest, engine, where=str(directory), optimizer=load_optimizer_states)
+        check(
+            manifest,
+            engine,
+            where=str(directory),
+            optimizer=load_optimizer_states,
+            strict=load_module_strict,
+        )
     except CheckpointError as exc:
         error = exc
     sync.agree("load_checkpoint", error)  # every rank sees the same files, or none goes on
@@ -203,9 +216,10 @@ def load_checkpoint(
     engine.optimizer.zero_grad()
     if load_optimizer_states:
         apply_optimizer_objects(engine, loaded)
-    apply_engine_state(engine, loaded[ENGINE], scheduler=load_lr_scheduler_states)
     src = sync.rank % int(manifest["world_size"])
-    apply_rng(loaded[rank_key(src, "rng")])
+    if not load_module_only:
+        apply_engine_state(engine, loaded[ENGINE], scheduler=load_lr_scheduler_states)
+        apply_rng(loaded[rank_key(src, "rng")])
     log.info("zengine: loaded checkpoint %s in %.2f s", directory, time.perf_counter() - start)
     client: dict[str, Any] = loaded[rank_key(src, "client_state")]
     return str(directory), client
@@ -228,7 +242,13 @@ def _read(
 ) -> dict[str, Any]:
     src = sync.rank % int(manifest["world_size"])
     extras = [ENGINE, rank_key(src, "rng"), rank_key(src, "client_state")]
-    return read_entries(engine, sync, directory, optimizer=optimizer, extras=extras)
+    saved = manifest["params"].keys() | manifest["buffers"].keys()
+
+    def in_both(key: str) -> bool:  # the model's entries the checkpoint has (others: all)
+        kind, _, name = key.partition("/")
+        return kind not in ("master", "model") or name in saved
+
+    return read_entries(engine, sync, directory, optimizer=optimizer, extras=extras, keep=in_both)
 
 
 def read_entries(

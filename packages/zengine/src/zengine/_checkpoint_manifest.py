@@ -64,11 +64,27 @@ def _listed(kind: str, names: list[str]) -> list[str]:
     return [f"{kind}: {shown}{more}"]
 
 
-def _param_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def _name_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Parameters and buffers one side has and the other has not."""
     old, new = saved["params"], now["params"]
     out = _listed("parameters in the checkpoint but not in the model", sorted(old.keys() - new))
     out += _listed("parameters in the model but not in the checkpoint", sorted(new.keys() - old))
+    out += _listed(
+        "buffers in the checkpoint but not in the model",
+        sorted(saved["buffers"].keys() - now["buffers"]),
+    )
+    out += _listed(
+        "buffers in the model but not in the checkpoint",
+        sorted(now["buffers"].keys() - saved["buffers"]),
+    )
+    return out
+
+
+def _param_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs in the parameters both sides have."""
+    old, new = saved["params"], now["params"]
     both = sorted(old.keys() & new.keys())
+    out = []
     out += _listed(
         "shapes differ (checkpoint vs model)",
         [
@@ -80,14 +96,6 @@ def _param_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     out += _listed(
         "trainable in the model but frozen in the checkpoint (no master weights saved)",
         [n for n in both if new[n]["group"] is not None and old[n]["group"] is None],
-    )
-    out += _listed(
-        "buffers in the checkpoint but not in the model",
-        sorted(saved["buffers"].keys() - now["buffers"]),
-    )
-    out += _listed(
-        "buffers in the model but not in the checkpoint",
-        sorted(now["buffers"].keys() - saved["buffers"]),
     )
     return out
 
@@ -110,15 +118,29 @@ def _optimizer_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[s
     return out + _listed("parameters in another optimizer group", moved)
 
 
-def check(saved: dict[str, Any], engine: Any, *, where: str, optimizer: bool) -> None:
+def check(
+    saved: dict[str, Any], engine: Any, *, where: str, optimizer: bool, strict: bool = True
+) -> None:
     """Raise `CheckpointMismatchError` listing what differs between the checkpoint's manifest
-    and `engine`; log what differs but reshards (world size, stage, precision)."""
+    and `engine`; log what differs but reshards (world size, stage, precision). Not `strict`
+    (``load_module_strict=False``), parameters and buffers only one side has are logged, not
+    errors, unless the optimizer's state is to be loaded too (it is laid out over them all)."""
     if saved.get("format") != FORMAT:
         raise CheckpointMismatchError(
             f"{where}: checkpoint format {saved.get('format')!r}, this zengine reads {FORMAT}"
         )
     now = describe(engine)
+    names = _name_differences(saved, now)
     problems = _param_differences(saved, now)
+    if strict or (optimizer and names):
+        problems = names + problems
+        if names and not strict:
+            problems.append(
+                "load_module_strict=False loads a model with other parameters or buffers only "
+                "with load_optimizer_states=False"
+            )
+    elif names:
+        log.warning("zengine: %s: loading what both have; %s", where, "; ".join(names))
     if optimizer:
         problems += _optimizer_differences(saved, now)
     if problems:

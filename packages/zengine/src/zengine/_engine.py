@@ -57,6 +57,9 @@ class Checkpoints(Protocol):
         tag: str | None,
         load_optimizer_states: bool,
         load_lr_scheduler_states: bool,
+        *,
+        load_module_strict: bool,
+        load_module_only: bool,
     ) -> tuple[str | None, dict[str, Any] | None]: ...
 
 
@@ -303,11 +306,22 @@ class Engine(nn.Module):
         tag: str | None = None,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
+        *,
+        load_module_strict: bool = True,
+        load_module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load ``load_dir/tag`` (default: the one ``latest`` names), saved at any world size;
-        ``(path, client_state)``, or ``(None, None)`` when there is none. Collective."""
+        ``(path, client_state)``, or ``(None, None)`` when there is none. As DeepSpeed's,
+        ``load_module_strict=False`` skips parameters and buffers only one side has, and
+        ``load_module_only=True`` loads the weights alone. Collective."""
         return self._checkpoints().load_checkpoint(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_strict=load_module_strict,
+            load_module_only=load_module_only,
         )
 
     def save_16bit_model(

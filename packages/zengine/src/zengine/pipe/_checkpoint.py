@@ -141,6 +141,9 @@ def load_checkpoint(
     tag: str | None,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
+    *,
+    load_module_strict: bool = True,
+    load_module_only: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
     from zengine import _checkpoint  # torch.distributed.checkpoint: a second to import
     from zengine.pipe import _checkpoint_reshape as reshape
@@ -153,6 +156,11 @@ def load_checkpoint(
             return None, None
     where = f"load_checkpoint({str(root)!r}, tag={tag!r})"
     sources = _sources(engine, root, tag, load_optimizer_states, where)
+    if sources is not None and (load_module_only or not load_module_strict):
+        raise CheckpointError(  # the same files on every stage: each raises it alike
+            f"{where}: the checkpoint was saved with other stage boundaries; it loads with "
+            "load_module_strict=True and load_module_only=False only"
+        )
     _on_every_stage(
         engine,
         lambda: _verify_stage(engine, root, tag, sources),
@@ -170,6 +178,8 @@ def load_checkpoint(
                 tag,
                 load_optimizer_states,
                 load_lr_scheduler_states,
+                load_module_strict=load_module_strict,
+                load_module_only=load_module_only,
                 verify=False,
             )
         return reshape.load_stage(

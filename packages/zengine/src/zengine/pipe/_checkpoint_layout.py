@@ -21,6 +21,7 @@ from zengine import _checkpoint_files as files
 from zengine._checkpoint_errors import CorruptCheckpointError
 from zengine._checkpoint_manifest import (
     FORMAT,
+    _name_differences,
     _optimizer_differences,
     _param_differences,
     describe,
@@ -176,7 +177,7 @@ def mismatches(
     # the manifest's own comparisons, on names that say their layer
     label = _labeller(module)
     old, new = _labelled(_merged(saved), label), _labelled(_merged(now), label)
-    problems += _param_differences(old, new)
+    problems += _name_differences(old, new) + _param_differences(old, new)
     if optimizer:
         problems += _optimizer_differences(old, new)
     return problems
