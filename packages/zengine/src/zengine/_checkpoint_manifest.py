@@ -80,6 +80,14 @@ def _name_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
+def _trainable_differ(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a trainable parameter (one with optimizer state) is on one side only."""
+    old, new = saved["params"], now["params"]
+    return any(old[n]["group"] is not None for n in old.keys() - new) or any(
+        new[n]["group"] is not None for n in new.keys() - old
+    )
+
+
 def _param_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs in the parameters both sides have."""
     old, new = saved["params"], now["params"]
@@ -132,12 +140,12 @@ def check(
     now = describe(engine)
     names = _name_differences(saved, now)
     problems = _param_differences(saved, now)
-    if strict or (optimizer and names):
+    if strict or (optimizer and _trainable_differ(saved, now)):
         problems = names + problems
-        if names and not strict:
+        if not strict:
             problems.append(
-                "load_module_strict=False loads a model with other parameters or buffers only "
-                "with load_optimizer_states=False"
+                "load_module_strict=False loads a model with other trainable parameters only "
+                "with load_optimizer_states=False (the optimizer's state is laid out over them)"
             )
     elif names:
         log.warning("zengine: %s: loading what both have; %s", where, "; ".join(names))
