@@ -112,6 +112,24 @@ class TestResume(DistributedTest):
         assert fresh.get_lr() == lr
         assert len(fresh.optimizer.state) == 0
 
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_frozen_left_out_resumes_not_strict(self, stage: int, tmp_path: Path) -> None:
+        # exclude_frozen_parameters (Hugging Face's Trainer with PEFT): the frozen base model
+        # stays out of the checkpoint and comes from where the model came from
+        data = global_batches(2 * STEPS, 2 * zcomm.get_world_size())
+        engine = engine_for(stage, frozen=True)
+        train(engine, data[:STEPS])
+        engine.save_checkpoint(tmp_path, exclude_frozen_parameters=True)
+        straight = train(engine, data[STEPS:])
+        manifest = json.loads(next(tmp_path.glob("*/zengine.json")).read_text())
+        assert manifest["frozen_excluded"]
+        assert not any(name.startswith("embed.") for name in manifest["params"])
+        resumed = engine_for(stage, frozen=True)  # the same base weights, untrained head
+        with pytest.raises(zengine.CheckpointMismatchError, match="load_module_strict=False"):
+            resumed.load_checkpoint(tmp_path)
+        resumed.load_checkpoint(tmp_path, load_module_strict=False)
+        assert train(resumed, data[STEPS:]) == straight
+
     def test_readme_example_resumes(self, tmp_path: Path) -> None:
         code = README.read_text().split("## Checkpoints", 1)[1]
         block = re.search(r"```python\n(.*?)```", code, re.S)

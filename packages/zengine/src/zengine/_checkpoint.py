@@ -84,8 +84,11 @@ def save_checkpoint(
     tag: str | None = None,
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> bool:
-    """Save everything training needs to resume exactly; every rank must call it."""
+    """Save everything training needs to resume exactly; every rank must call it. With
+    `exclude_frozen_parameters` the frozen parameters are left out (DeepSpeed's: a PEFT
+    adapter's checkpoint without the base model), to be loaded with ``load_module_strict=False``."""
     sync = _sync(engine)
     sync.arrive("save_checkpoint")
     engine.optimizer.resident()  # offloaded to NVMe (offload_optimizer/param): read it back
@@ -106,7 +109,9 @@ def save_checkpoint(
     sync.agree(f"save_checkpoint({str(root)!r}, tag={tag!r})", error)
     log.info("zengine: saving checkpoint %s to %s", tag, root)
     try:
-        _write(engine, sync, partial, root / tag, client_state, save_latest)
+        _write(
+            engine, sync, partial, root / tag, client_state, save_latest, exclude_frozen_parameters
+        )
     except BaseException as exc:
         if sync.rank == 0:
             files.remove_quietly(partial)  # the last good checkpoint and `latest` stay as they were
@@ -130,8 +135,9 @@ def _write(
     final: Path,
     client_state: dict[str, Any] | None,
     save_latest: bool,
+    exclude_frozen: bool,
 ) -> None:
-    state: dict[str, Any] = {**model_entries(engine), **optimizer_entries(engine)}
+    state: dict[str, Any] = {**model_entries(engine, exclude_frozen), **optimizer_entries(engine)}
     state[ENGINE] = engine_state(engine)
     state[rank_key(sync.rank, "rng")] = rng_state()
     state[rank_key(sync.rank, "client_state")] = dict(client_state or {})
@@ -148,19 +154,24 @@ def _write(
     error = None
     if sync.rank == 0:
         try:
-            _finish(engine, partial, final, written, save_latest)
+            _finish(engine, partial, final, written, save_latest, exclude_frozen)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
     sync.agree(f"{where} (manifest, rename and '{files.LATEST}' on rank 0)", error)
 
 
 def _finish(
-    engine: Any, partial: Path, final: Path, written: dict[str, Any], save_latest: bool
+    engine: Any,
+    partial: Path,
+    final: Path,
+    written: dict[str, Any],
+    save_latest: bool,
+    exclude_frozen: bool,
 ) -> None:
     """Rank 0, once every rank's files are on disk: the manifest, the rename, ``latest``."""
     crc, size = files.checksum(partial / ".metadata")
     written[".metadata"] = {"crc32": crc, "bytes": size, "rank": 0}
-    manifest = {**describe(engine), "tag": final.name, "files": written}
+    manifest = {**describe(engine, exclude_frozen), "tag": final.name, "files": written}
     files.write_atomic(partial / files.MANIFEST, json.dumps(manifest, indent=1).encode())
     files.publish(partial, final)
     if save_latest:

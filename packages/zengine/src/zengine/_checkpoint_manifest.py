@@ -30,8 +30,9 @@ def _groups(engine: Any) -> dict[int, int]:
     return {id(p): g for g, params in enumerate(engine.optimizer.layout.params) for p in params}
 
 
-def describe(engine: Any) -> dict[str, Any]:
-    """What a checkpoint of `engine` is of (the manifest, without the files)."""
+def describe(engine: Any, exclude_frozen: bool = False) -> dict[str, Any]:
+    """What a checkpoint of `engine` is of (the manifest, without the files); without its
+    frozen parameters with `exclude_frozen`."""
     groups = _groups(engine)
     params = {
         name: {
@@ -40,6 +41,7 @@ def describe(engine: Any) -> dict[str, Any]:
             "group": groups.get(id(p)),  # None: frozen, no master and no optimizer state
         }
         for name, p in engine.module.named_parameters()
+        if not exclude_frozen or id(p) in groups
     }
     buffers = {name: list(b.shape) for name, b in persistent_buffers(engine.module)}
     scaler = engine.optimizer.loss_scaler
@@ -53,6 +55,7 @@ def describe(engine: Any) -> dict[str, Any]:
         "param_groups": len(engine.optimizer.param_groups),
         "params": params,
         "buffers": buffers,
+        "frozen_excluded": exclude_frozen,
     }
 
 
@@ -142,6 +145,10 @@ def check(
     problems = _param_differences(saved, now)
     if strict or (optimizer and _trainable_differ(saved, now)):
         problems = names + problems
+        if names and strict and saved.get("frozen_excluded"):
+            problems.append(
+                "saved with exclude_frozen_parameters=True: load it with load_module_strict=False"
+            )
         if not strict:
             problems.append(
                 "load_module_strict=False loads a model with other trainable parameters only "

@@ -71,9 +71,9 @@ def _valid(numel: int, param_offset: int, size: int) -> int:
     return max(0, min(numel, size - param_offset))
 
 
-def model_entries(engine: Any) -> dict[str, Piece]:
-    """The masters of trainable parameters, frozen parameters and buffers, as this rank's
-    pieces (views: written into on load)."""
+def model_entries(engine: Any, exclude_frozen: bool = False) -> dict[str, Piece]:
+    """The masters of trainable parameters, frozen parameters (not with `exclude_frozen`) and
+    buffers, as this rank's pieces (views: written into on load)."""
     parts = engine.optimizer.partitions
     rank = dist.get_rank(engine.optimizer.group)
     entries: dict[str, Piece] = {}
@@ -84,6 +84,8 @@ def model_entries(engine: Any) -> dict[str, Piece]:
             master = parts.master_of(p)
             valid = _valid(frag.numel, frag.param_offset, size)
             entries[f"master/{name}"] = Piece(master[:valid], min(frag.param_offset, size), size)
+        elif exclude_frozen:
+            continue
         elif hasattr(p, "ds_tensor"):  # a frozen ZeRO-3 parameter: its shard
             shard = p.ds_tensor
             offset = min(rank * shard.numel(), size)

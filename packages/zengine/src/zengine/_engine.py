@@ -48,6 +48,7 @@ class Checkpoints(Protocol):
         tag: str | None,
         client_state: dict[str, Any] | None,
         save_latest: bool,
+        exclude_frozen_parameters: bool,
     ) -> bool: ...
 
     def load_checkpoint(
@@ -295,10 +296,15 @@ class Engine(nn.Module):
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Save model, masters, optimizer, scheduler, loss scale, counters, RNG states and
-        `client_state` under ``save_dir/tag``, then point ``save_dir/latest`` at it. Collective."""
-        return self._checkpoints().save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        `client_state` under ``save_dir/tag``, then point ``save_dir/latest`` at it; without
+        the frozen parameters with `exclude_frozen_parameters` (load those checkpoints with
+        ``load_module_strict=False``). Collective."""
+        return self._checkpoints().save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
 
     def load_checkpoint(
         self,

@@ -103,6 +103,7 @@ def save_checkpoint(
     tag: str | None,
     client_state: dict[str, Any] | None,
     save_latest: bool,
+    exclude_frozen_parameters: bool = False,
 ) -> bool:
     from zengine import _checkpoint  # torch.distributed.checkpoint: a second to import
 
@@ -111,7 +112,12 @@ def save_checkpoint(
     _on_every_stage(
         engine,
         lambda: _checkpoint.save_checkpoint(
-            engine, stage_dir(root, engine.stage_id), tag, client_state, save_latest=False
+            engine,
+            stage_dir(root, engine.stage_id),
+            tag,
+            client_state,
+            save_latest=False,
+            exclude_frozen_parameters=exclude_frozen_parameters,
         ),
         lambda failed: (
             f"save_checkpoint({str(root)!r}, tag={tag!r}): stage(s) {failed} failed to save; "
