@@ -162,6 +162,26 @@ class TestSteps(DistributedTest):
         with pytest.raises(TypeError, match="expected a bool"):
             engine.set_gradient_accumulation_boundary(1)  # type: ignore[arg-type]
 
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_set_train_batch_size_accumulates_more(self, world_size: int, stage: int) -> None:
+        # two steps of 2 samples a rank, then DeepSpeed's call: two steps of 4 (2 micro-batches)
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        engine, *_ = zengine.initialize(model=model, config=_config(stage))
+        data = global_batches(2, 2 * world_size) + global_batches(2, 4 * world_size, seed=8)
+        losses = _train(engine, data[:2])
+        engine.set_train_batch_size(4 * world_size)
+        assert engine.gradient_accumulation_steps() == 2
+        assert engine.train_batch_size() == 4 * world_size
+        losses += _train(engine, data[2:])
+        assert engine.global_steps == 4
+        torch.testing.assert_close(losses, plain_losses(reference, data, lr=LR), rtol=1e-5, atol=0)
+        for bad in (3 * world_size, 0, 4.0):
+            with pytest.raises(ValueError, match="positive multiple"):
+                engine.set_train_batch_size(bad)  # type: ignore[arg-type]
+
     @pytest.mark.parametrize("world_size", [1])
     @pytest.mark.parametrize("stage", [2, 3])
     def test_no_sync_is_refused_where_gradients_are_partitioned(

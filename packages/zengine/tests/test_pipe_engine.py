@@ -58,6 +58,17 @@ class TestParity(DistributedTest):
         assert engine.global_steps == STEPS
         assert engine.link.received_ahead > 0  # gloo: receives posted before they are asked for
 
+    def test_set_train_batch_size_runs_more_micro_batches(self) -> None:
+        cfg = config(accumulation=2)
+        engine = initialize(pipeline(2), cfg)
+        data = batches(2, 4) + batches(2, 8, seed=8)
+        losses = train(engine, data[:2])
+        engine.set_train_batch_size(8)
+        assert engine.micro_batches == 4
+        losses += train(engine, data[2:])
+        expected, _ = reference_losses(data)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+
     def test_schedules_as_written(self) -> None:
         # what NCCL runs: the sends where the schedule puts them, not moved up, and each
         # receive posted when the schedule asks for it

@@ -110,6 +110,28 @@ class Engine(nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return int(self.config.gradient_accumulation_steps)
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by the number of micro-batches accumulated, as DeepSpeed's
+        (the micro-batch stays): `train_batch_size` must be a multiple of the micro-batch
+        times the data-parallel ranks. Takes effect from the next accumulation."""
+        unit = self.train_micro_batch_size_per_gpu() * zcomm.get_world_size(self.optimizer.group)
+        if (
+            isinstance(train_batch_size, bool)
+            or not isinstance(train_batch_size, int)
+            or train_batch_size <= 0
+            or train_batch_size % unit
+        ):
+            raise ValueError(
+                f"engine.set_train_batch_size({train_batch_size!r}): expected a positive multiple "
+                f"of train_micro_batch_size_per_gpu x data-parallel ranks = {unit}"
+            )
+        self.config = self.config.model_copy(
+            update={
+                "train_batch_size": train_batch_size,
+                "gradient_accumulation_steps": train_batch_size // unit,
+            }
+        )
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``step()`` steps the optimizer (and the backward before it reduces
         the accumulated gradients): every ``gradient_accumulation_steps``-th micro-step, or as

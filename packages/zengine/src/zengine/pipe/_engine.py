@@ -139,6 +139,12 @@ class PipelineEngine(Engine):
         """The parameters a chunk's backward may reach (this stage's trainable ones)."""
         return self._params
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """As the engine's: the batch runs more or fewer micro-batches from the next one."""
+        super().set_train_batch_size(train_batch_size)
+        self.micro_batches = self.gradient_accumulation_steps()
+        self._schedules.clear()  # made for the old number of micro-batches
+
     def loss_factor(self) -> float:
         """What the last stage multiplies each micro-batch's loss by before its backward:
         the mean over micro-batches, times the fp16 loss scale."""
