@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -167,9 +168,29 @@ class TestUserOptimizerAndScheduler(DistributedTest):
         _step(engine, tokens)
         _step(engine, tokens)
         assert engine.get_lr() == [0.125]
+        assert engine.get_mom() == [0.9]  # SGD's momentum
         assert (
             zengine.safe_get_local_optimizer_state(model.head.weight, "momentum_buffer") is not None
         )
+
+    @pytest.mark.parametrize("world_size", [1])
+    def test_step_hands_lr_kwargs_to_the_scheduler(self, world_size: int) -> None:
+        class Recording:
+            def __init__(self) -> None:
+                self.calls: list[dict[str, Any]] = []
+
+            def step(self, **kwargs: Any) -> None:
+                self.calls.append(kwargs)
+
+        scheduler = Recording()
+        engine, *_ = zengine.initialize(model=TinyGPT(), config=_config(), lr_scheduler=scheduler)
+        assert engine.get_mom() == [(0.9, 0.999)]  # Adam's betas
+        tokens = global_batches(1, 2)[0]
+        engine.backward(engine(tokens))
+        engine.step(lr_kwargs={"increment": 2})
+        engine.backward(engine(tokens))
+        engine.step()
+        assert scheduler.calls == [{"increment": 2}, {}]
 
     @pytest.mark.parametrize("world_size", [1])
     def test_config_scheduler_and_optimizer_class(self, world_size: int) -> None:

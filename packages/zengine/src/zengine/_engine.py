@@ -154,6 +154,12 @@ class Engine(nn.Module):
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
+    def get_mom(self) -> list[Any]:
+        """Each parameter group's Adam betas, or its momentum where the optimizer has none."""
+        return [
+            g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups
+        ]
+
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm across all ranks at the last step, before clipping."""
         return self.optimizer.global_grad_norm
@@ -241,8 +247,9 @@ class Engine(nn.Module):
         finally:
             self._no_sync = False
 
-    def step(self) -> None:
-        """Step the optimizer at the accumulation boundary; otherwise only count."""
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Step the optimizer at the accumulation boundary; otherwise only count. `lr_kwargs`
+        go to the LR scheduler's ``step`` (DeepSpeed's)."""
         if self._no_sync:
             raise RuntimeError(
                 "engine.step() inside engine.no_sync(): the gradients are not reduced yet; "
@@ -259,7 +266,7 @@ class Engine(nn.Module):
         with self.progress.timed("step"):
             stepped = self._step_applied = self.optimizer.step()
             if stepped and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
         self.progress.after_step()
         self._idle_trim.idle()
