@@ -284,6 +284,17 @@ class Engine(nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
+    def empty_partition_cache(self) -> None:
+        """Release every ZeRO-3 parameter still gathered (a forward with gradients that no
+        backward followed keeps them for one), and hand the freed memory back, as DeepSpeed's.
+        Call it between passes; a backward still to come gathers what it needs again."""
+        if self.partitioned is not None:
+            self.partitioned.coordinator.release_all()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            trim_heap()
+
     def offload_states(
         self,
         include: Iterable[OffloadStateTypeEnum | str] | None = None,
