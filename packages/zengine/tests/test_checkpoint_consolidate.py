@@ -114,6 +114,7 @@ class TestSave16bit(DistributedTest):
         train_global(engine, global_batches(1, 4))
         assert engine.save_16bit_model(tmp_path, "model.safetensors")
         assert engine.save_16bit_model(tmp_path)
+        assert engine.save_fp16_model(tmp_path, "old_name.bin")  # DeepSpeed's older name
         expected = {k: v.to(torch.bfloat16) for k, v in full_model(engine).items()}
         if zcomm.get_rank() == 0:
             for state in (

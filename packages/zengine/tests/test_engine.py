@@ -249,3 +249,6 @@ class TestSteps(DistributedTest):
         assert engine.gradient_clipping() == cfg.get("gradient_clipping", 0.0)
         assert engine.steps_per_print() == cfg.get("steps_per_print", 10)
         assert engine.skipped_steps == 0
+        assert (engine.global_rank, engine.world_size) == (zcomm.get_rank(), world_size)
+        assert engine.dp_world_size == world_size
+        assert engine.local_rank == zcomm.get_local_rank()

@@ -164,6 +164,23 @@ class Engine(nn.Module):
         """The gradient norm across all ranks at the last step, before clipping."""
         return self.optimizer.global_grad_norm
 
+    @property
+    def global_rank(self) -> int:
+        return zcomm.get_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return zcomm.get_local_rank()
+
+    @property
+    def world_size(self) -> int:
+        return zcomm.get_world_size()
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks the gradients are averaged over."""
+        return zcomm.get_world_size(self.optimizer.group)
+
     def zero_optimization_stage(self) -> int:
         return int(self.config.zero_stage)
 
@@ -399,6 +416,8 @@ class Engine(nn.Module):
 
         rank = dist.get_rank(self.optimizer.group)
         return _save_16bit.gathered_state(self, rank, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
     def destroy(self) -> None:
         """Take the hooks off and drop the optimizer's buffers (DeepSpeed's ``destroy``)."""
