@@ -897,16 +897,21 @@ def test_deepspeed_old_offload_switches_are_read_as_their_sections(
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_grad_accum_dtype_other_than_the_compute_dtype_needs_stage_3(stage: int) -> None:
+def test_grad_accum_dtype_at_stages_0_to_2_is_fp32_or_the_compute_dtype(stage: int) -> None:
     config = {
         "train_batch_size": 1,
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": stage},
     }
-    assert load_config({**config, "data_types": {"grad_accum_dtype": "bf16"}}, world_size=1)
-    assert _problems({**config, "data_types": {"grad_accum_dtype": "fp32"}}) == [
-        "data_types.grad_accum_dtype: fp32 differs from the compute dtype (bf16), which is "
-        f"what ZeRO stages 0-2 accumulate gradients in; another dtype works at stage 3 only "
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        loaded = load_config({**config, "data_types": {"grad_accum_dtype": name}}, world_size=1)
+        assert loaded.accumulation_dtype == dtype
+    # DeepSpeed's default: fp32 for bf16 without ZeRO (its BF16_Optimizer), else the compute's
+    default = load_config(config, world_size=1).accumulation_dtype
+    assert default == (torch.float32 if stage == 0 else torch.bfloat16)
+    assert _problems({**config, "data_types": {"grad_accum_dtype": "fp16"}}) == [
+        "data_types.grad_accum_dtype: fp16 is neither fp32 nor the compute dtype (bf16); ZeRO "
+        "stages 0-2 accumulate gradients in one of those, another dtype works at stage 3 only "
         f"(the stage is {stage})"
     ]
 

@@ -159,3 +159,81 @@ class TestCommunicationDtype(DistributedTest):
             engine.step()
         assert found[None] == 0.5  # DeepSpeed's default: reduced in bf16
         assert found["fp32"] == (1.0 + 2.0**-9) / 2, (stage, found)
+
+
+def _accumulated_grad(stage: int, accumulate: str | None, comm: str | None) -> float:
+    """The gradient of `OneWeight`'s weight after 4 bf16 micro-batches whose gradients are
+    1/4 and 3 times 2**-11: their bf16 running sum rounds each 2**-11 away (8 significant
+    bits), their fp32 sum does not."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    if accumulate is not None:
+        config["data_types"] = {"grad_accum_dtype": accumulate}
+    if comm is not None:
+        config["communication_data_type"] = comm
+    torch.manual_seed(0)
+    model = OneWeight()
+    engine, *_ = zengine.initialize(model=model, config=config)
+    for x in (1.0, 2.0**-9, 2.0**-9, 2.0**-9):  # the loss is divided by the 4 steps
+        engine.backward(engine(torch.tensor([[x]]).bfloat16()))
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # a no-op between boundaries
+    grad = zengine.safe_get_full_grad(model.w.weight)
+    assert grad is not None
+    engine.step()
+    engine.destroy()
+    return grad.item()
+
+
+class TestAccumulationDtype(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    def test_grad_accum_dtype_fp32_keeps_what_bf16_accumulation_rounds_away(
+        self, world_size: int
+    ) -> None:
+        exact, once = (1 + 3 * 2.0**-9) / 4, (1 + 2.0**-7) / 4  # once: the sum rounded to bf16
+        found = {
+            # DeepSpeed's defaults: fp32 without ZeRO (its BF16_Optimizer), reduced in bf16
+            (0, None, None): once,
+            (1, None, None): 0.25,
+            (0, "bf16", None): 0.25,
+            (0, "fp32", "fp32"): exact,
+            (1, "fp32", None): once,
+            (1, "fp32", "fp32"): exact,
+            # stage 2 reduces every micro-batch and adds into fp32 partitions; stage 3 as asked
+            (2, None, None): exact,
+            (2, "fp32", None): exact,
+            (3, "fp32", None): exact,
+            (3, None, None): 0.25,
+        }
+        for (stage, accumulate, comm), expected in found.items():
+            got = _accumulated_grad(stage, accumulate, comm)
+            assert got == expected, (stage, accumulate, comm, got)
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_grads_between_micro_batches_are_folded_and_dropped(self, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        config = {
+            **_config(stage=1, reduce_bucket_size=50),
+            "gradient_accumulation_steps": 2,
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+        }
+        engine, *_ = zengine.initialize(model=model, config=config)
+        layout = engine.optimizer.layout
+        assert [f.dtype for f in layout.grad_flats] == [torch.float32]
+        assert [f.dtype for f in layout.low_grad_flats] == [torch.bfloat16]
+        engine.backward(engine(torch.randn(2, 8).bfloat16()).float().square().mean())
+        assert all(p.grad is None for p in model.parameters())  # folded into fp32, as DeepSpeed
+        assert not bool(layout.low_grad_flats[0].any())
+        folded = layout.grad_flats[0].clone()
+        assert bool(folded.any())
+        engine.step()
+        engine.backward(engine(torch.randn(2, 8).bfloat16()).float().square().mean())
+        assert not bool(layout.grad_flats[0].any())  # reduced into the partitions, zeroed
+        engine.step()

@@ -141,6 +141,16 @@ class EngineConfig(_Sections):
             return torch.float16
         return torch.bfloat16 if self.bf16.enabled else torch.float32
 
+    @property
+    def accumulation_dtype(self) -> torch.dtype:
+        """What gradients accumulate in over the micro-batches: ``data_types.grad_accum_dtype``,
+        or DeepSpeed's default, fp32 for bf16 without ZeRO (its BF16_Optimizer) and the compute
+        dtype otherwise."""
+        name = self.data_types.grad_accum_dtype
+        if name is not None:
+            return _TORCH_DTYPES[name]
+        return torch.float32 if self.bf16.enabled and self.zero_stage == 0 else self.dtype
+
     def zero_param_config(self) -> ZeroParamConfig:
         """The ZeRO-3 parameter knobs, from ``zero_optimization``'s ``stage3_*`` keys."""
         zero = self.zero_optimization
@@ -266,11 +276,11 @@ def _precision_problems(data: Mapping[Any, Any]) -> list[str]:
     types, zero = data.get("data_types"), data.get("zero_optimization")
     accumulate = types.get("grad_accum_dtype") if isinstance(types, Mapping) else None
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    if accumulate in {"fp32", "fp16", "bf16"} - {compute} and isinstance(stage, int) and stage < 3:
-        # said rather than ignored: stages 0-2 keep their gradients in the parameters' dtype
+    if accumulate in {"fp16", "bf16"} - {compute} and isinstance(stage, int) and stage < 3:
+        # said rather than ignored: stages 0-2 accumulate in fp32 or the compute dtype
         return [
-            f"data_types.grad_accum_dtype: {accumulate} differs from the compute dtype "
-            f"({compute}), which is what ZeRO stages 0-2 accumulate gradients in; another "
+            f"data_types.grad_accum_dtype: {accumulate} is neither fp32 nor the compute dtype "
+            f"({compute}); ZeRO stages 0-2 accumulate gradients in one of those, another "
             f"dtype works at stage 3 only (the stage is {stage})"
         ]
     return []

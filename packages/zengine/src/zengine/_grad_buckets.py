@@ -48,6 +48,8 @@ class _Bucket:
     device: torch.device
     waiting: int = 0  # gradients still to come in this backward
     view: torch.Tensor | None = None  # stages 0, 1: the bucket's range of the gradient buffer
+    low: torch.Tensor | None = None  # its range of the compute-dtype buffer, when that differs
+    folded: bool = False  # this backward's gradients are in `view` (only with `low`)
     buffer: torch.Tensor | None = None
     handle: zcomm.Handle | None = None
     scattered: torch.Tensor | None = None  # a whole group's bucket: this rank's partition
@@ -67,7 +69,9 @@ class GradBuckets:
     buffer) into `grads` (per group, this rank's partition ``[lo, lo + size)`` of it; the
     whole buffer at stage 0). `storage`: the flat gradient buffers the ``.grad`` are views of
     (stages 0, 1); None: each gradient is copied into its bucket and dropped (stage 2).
-    `dtype`: what the reductions run in (``communication_data_type``); None: the gradients'."""
+    `low`: with `storage` of a wider dtype, the compute-dtype buffers the ``.grad`` are views
+    of, folded into `storage` after every backward. `dtype`: what the reductions run in
+    (``communication_data_type``); None: the parameters'."""
 
     def __init__(
         self,
@@ -80,10 +84,12 @@ class GradBuckets:
         bucket_size: int,
         overlap: bool,
         storage: Sequence[torch.Tensor] | None = None,
+        low: Sequence[torch.Tensor] | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         self.group = group
         self.storage = None if storage is None else list(storage)
+        self.folding = low is not None  # every backward's hooks fold their buckets
         self.armed = True  # whether this backward's hooks act (stages 0, 1: the boundary's)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -99,6 +105,8 @@ class GradBuckets:
                     self._bucket_of[id(p)] = (bucket, offset - bucket.lo)
                 if self.storage is not None:
                     bucket.view = self.storage[g][bucket.lo : bucket.hi]
+                if low is not None:
+                    bucket.low = low[g][bucket.lo : bucket.hi]
             self._order += reversed(buckets)
         self._next = 0  # the first bucket of `_order` not started in this backward
         self._landed = 0  # the buckets before this one are reduced into the partitions
@@ -120,10 +128,11 @@ class GradBuckets:
         for bucket in self._order:
             bucket.waiting = sum(p.requires_grad for p, _ in bucket.params)
             bucket.buffer, bucket.handle, bucket.scattered = None, None, None
+            bucket.folded = False
         self._next, self._landed = 0, 0
 
     def _arrived(self, param: torch.Tensor) -> None:
-        if not self.armed:
+        if not (self.armed or self.folding):
             return
         bucket, offset = self._bucket_of[id(param)]
         grad = param.grad
@@ -131,10 +140,30 @@ class GradBuckets:
             bucket.fresh()[offset : offset + grad.numel()].add_(grad.reshape(-1))
             param.grad = None  # the bucket holds it now
         bucket.waiting -= 1
+        if not self.armed:
+            if bucket.waiting <= 0:
+                self._fold(bucket)
+            return
         while self._next < len(self._order) and self._order[self._next].waiting <= 0:
             self._start(self._order[self._next])
 
+    @staticmethod
+    def _fold(bucket: _Bucket) -> None:
+        """This backward's gradients of `bucket`, added into the wide buffer (`low` only)."""
+        if bucket.low is not None and bucket.view is not None and not bucket.folded:
+            bucket.view.add_(bucket.low)
+            bucket.low.zero_()
+            bucket.folded = True
+
+    def fold(self) -> None:
+        """The end of a backward that reduces nothing: fold what the hooks did not (buckets
+        with a parameter this backward did not use), and get ready for the next backward."""
+        for bucket in self._order:
+            self._fold(bucket)
+        self._reset()
+
     def _start(self, bucket: _Bucket) -> None:
+        self._fold(bucket)
         buffer, (_, size) = bucket.fresh(), self.partitions[bucket.group]
         if buffer.dtype != bucket.dtype:  # a range of the gradient buffer, reduced in another
             buffer = bucket.buffer = buffer.to(bucket.dtype)

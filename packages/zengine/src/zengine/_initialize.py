@@ -37,8 +37,6 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adagrad": torch.optim.Adagrad,
 }
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _DEEPSPEED_ONLY = ("torch_adam", "adam_w_mode", "fused")  # optimizer params torch does not take
 
 
@@ -105,6 +103,7 @@ def initialize(
             bucket_size=int(cfg.zero_optimization.reduce_bucket_size),
             overlap=cfg.zero_optimization.overlap_comm,
             reduce_dtype=cfg.communication_dtype,
+            accumulate_dtype=cfg.accumulation_dtype,
             **offload,
         )
     zero = ZeroOptimizer(
@@ -276,12 +275,11 @@ def _stage3_layout(
 ) -> ShardedLayout:
     """Stage 3's masters and gradient partitions over the partitioned model's units."""
     zero = cfg.zero_optimization
-    grad_dtype = _DTYPES[cfg.gradient_accumulation_dtype or _NAMES[cfg.dtype]]
     layout = ShardedLayout(
         groups,
         group=group,
         device=device,
-        grad_dtype=grad_dtype,
+        grad_dtype=cfg.accumulation_dtype,
         units=handle.units,
         sub_group_size=int(zero.sub_group_size),
         **offload,

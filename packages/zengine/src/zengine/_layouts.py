@@ -6,7 +6,9 @@ compute dtype and become views of it. The gradients are reduced in buckets while
 flat gradient buffer, where autograd accumulates over the micro-batches, reduced during the
 backward that ends the accumulation (all-reduced at stage 0); stage 2 keeps no full gradients:
 each backward's are copied into buckets, reduced and dropped, each rank keeping its partition.
-After the step the updated partitions are all-gathered back into the parameters.
+After the step the updated partitions are all-gathered back into the parameters. Stages 0 and 1
+may accumulate in a wider dtype than the parameters' (`accumulate_dtype`): the ``.grad`` then
+hold one backward's gradients, folded into the wide buffer after each backward.
 
 `ShardedLayout` (stage 3): zpartition owns the parameters; its gradient sink adds each reduced
 shard gradient into the partition's gradient buffer, and after the step the masters are copied
@@ -63,9 +65,12 @@ class FlatLayout:
         overlap: bool = False,
         during_backward: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        accumulate_dtype: torch.dtype | None = None,
     ) -> None:
-        """`bucket_size`, `overlap` and `reduce_dtype`: ``reduce_bucket_size``,
-        ``overlap_comm`` and ``communication_data_type``. Without
+        """`bucket_size`, `overlap`, `reduce_dtype` and `accumulate_dtype`:
+        ``reduce_bucket_size``, ``overlap_comm``, ``communication_data_type`` and
+        ``data_types.grad_accum_dtype`` (stages 0 and 1; stage 2 adds each backward's reduced
+        gradients into fp32 partitions, stage 3 is `ShardedLayout`'s). Without
         `during_backward` (a pipeline, whose batch runs many backward passes and reduces tied
         weights' gradients after them) stages 0 and 1 reduce when ``after_backward`` says."""
         self.stage = stage
@@ -76,12 +81,18 @@ class FlatLayout:
         self.flats: list[torch.Tensor] = []  # per group, the parameters' storage
         self.grad_flats: list[torch.Tensor] = []  # per group, the full gradients (stages 0, 1)
         self.grad_views: list[list[torch.Tensor]] = []
+        # per group, the compute-dtype gradients the .grad are views of, when grad_flats are
+        # of a wider dtype (stages 0, 1): one backward's, folded into grad_flats after it
+        self.low_grad_flats: list[torch.Tensor] = []
         pieces, sizes, offsets, ranges = [], [], [], []
         for params in self.params:
             flat, layout = self._pack(params, device)
             self.flats.append(flat)
             if stage < 2:
                 grads, views = self._grad_views(flat, params, layout)
+                if accumulate_dtype not in (None, flat.dtype):
+                    self.low_grad_flats.append(grads)
+                    grads = torch.zeros_like(grads, dtype=accumulate_dtype)
                 self.grad_flats.append(grads)
                 self.grad_views.append(views)
             size = flat.numel() if stage == 0 else flat.numel() // self.world
@@ -114,6 +125,7 @@ class FlatLayout:
             bucket_size=bucket_size,
             overlap=overlap,
             storage=self.grad_flats if stage < 2 else None,
+            low=self.low_grad_flats or None,
             dtype=reduce_dtype,
         )
 
@@ -175,16 +187,22 @@ class FlatLayout:
 
     def after_backward(self, boundary: bool) -> None:
         """The buckets not reduced yet, and every bucket's part into the partitions."""
-        if boundary or self.stage == 2:
+        if self.low_grad_flats and not boundary:
+            self.buckets.fold()
+            self._drop_grads()  # they read zeros now, as at the boundary
+        elif boundary or self.stage == 2:
             self.buckets.finish()
             if self.stage < 2:
                 # the gradients are in the partitions now (safe_get_full_grad reads them), and
                 # the buffer behind .grad is zeroed for the next accumulation: a .grad read now
                 # would be zeros and a write would leak into the next step, so there is none,
                 # as DeepSpeed's ZeRO optimizers leave it
-                for params in self.params:
-                    for p in params:
-                        p.grad = None
+                self._drop_grads()
+
+    def _drop_grads(self) -> None:
+        for params in self.params:
+            for p in params:
+                p.grad = None
 
     def tiles(self) -> list[list[nn.Parameter]] | None:
         """None: the step goes whole (one flat master per group; no tiles at stages 0-2)."""

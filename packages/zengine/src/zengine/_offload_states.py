@@ -44,6 +44,8 @@ def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.T
         found["grads"] = parts.grad_partitions_flat_buffer
         for i, tensor in enumerate(getattr(optimizer.layout, "grad_flats", [])):
             found[f"grads.full.{i}"] = tensor
+        for i, tensor in enumerate(getattr(optimizer.layout, "low_grad_flats", [])):
+            found[f"grads.low.{i}"] = tensor  # one backward's, before they are folded
     elif state is OffloadStateTypeEnum.contiguous_grad_buffer and engine.partitioned is not None:
         # kept between passes on accelerators only (persistent_grad_buckets); on CPU the
         # buckets live while they are reduced, and none is held
