@@ -292,7 +292,9 @@ class ZeroConfig(_Section):
     round_robin_gradients: bool = False
     """Accepted for DeepSpeed compatibility."""
     ignore_unused_parameters: bool = True
-    """Accepted for DeepSpeed compatibility."""
+    """False: a step whose accumulation left a trainable parameter without a gradient (on any
+    rank) raises, naming it, at every stage (DeepSpeed checks at stages 1-2 with CPU offload);
+    a pipeline engine does not check."""
     load_from_fp32_weights: bool = True
     """Accepted for DeepSpeed compatibility."""
     sub_group_size: Size = 1_000_000_000

@@ -20,18 +20,15 @@ from torch import nn
 import zcomm
 import zpartition
 from zengine._aio import nvme_offloader
+from zengine._errors import UsageError
 from zengine._host_memory import IdleTrimmer, trim_heap
 from zengine._offload_states import StateOffloader
 from zengine._progress import Progress
+from zengine._unused_params import UnusedParameterCheck
 from zengine._zero_optimizer import ZeroOptimizer
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum, default_pool
 
 __all__ = ["Engine", "UsageError", "half_floats"]
-
-
-class UsageError(RuntimeError, AssertionError):
-    """A call the engine refuses as used (``no_sync`` misuse); also an AssertionError, which
-    DeepSpeed's engine raises there and its users' tests expect."""
 
 
 def half_floats(inputs: Any) -> Any:
@@ -98,6 +95,12 @@ class Engine(nn.Module):
         self._no_sync = False  # inside no_sync(): backward passes reduce nothing
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word
         self.progress = Progress(self, config)
+        # ignore_unused_parameters false: a step refuses parameters left without a gradient
+        self._unused = (
+            UnusedParameterCheck(module, self.group)
+            if optimizer is not None and not config.zero_optimization.ignore_unused_parameters
+            else None
+        )
         self._offloaded = StateOffloader(nvme_offloader(config.aio))
         # Host memory freed by the steps goes back to the system when the engine sits idle
         # ([Note: returning memory on CPU]), with NVMe offload's staging buffers (unpinned on
@@ -316,6 +319,8 @@ class Engine(nn.Module):
             )
         zero = self._trainer("step()")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._unused is not None:
+            self._unused.check()  # before anything counts or steps: a refused step loses nothing
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * zcomm.get_world_size(
             self.group
@@ -328,6 +333,8 @@ class Engine(nn.Module):
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
+        if self._unused is not None:
+            self._unused.reset()
         self.progress.after_step()
         self._idle_trim.idle()
 
@@ -476,4 +483,6 @@ class Engine(nn.Module):
             if buckets is not None:
                 buckets.remove()
             self.optimizer.destroy()
+        if self._unused is not None:
+            self._unused.remove()
         self._idle_trim.close()
