@@ -3,7 +3,9 @@ the user's own optimizer and scheduler, progress lines."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import logging
 import math
 from typing import Any
@@ -409,3 +411,26 @@ class TestUnwrapModelForGeneration(DistributedTest):
         generation = zengine.zero.unwrap_model_for_generation(TinyGPT())  # type: ignore[type-var]
         with pytest.raises(TypeError, match=r"expected the engine zengine\.initialize returned"):
             generation.__enter__()
+
+
+class TestScriptArguments(DistributedTest):
+    @pytest.mark.parametrize("world_size", [2])
+    def test_a_deepspeed_script_s_flags_and_init(self, world_size: int, tmp_path: Any) -> None:
+        # DeepSpeedExamples' way: the script's parser gets DeepSpeed's flags, the launcher's
+        # --local_rank, then init_distributed() and initialize(args=args)
+        path = tmp_path / f"ds_config_{zcomm.get_rank()}.json"
+        path.write_text(json.dumps(_config(stage=2)))
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--local_rank", type=int, default=-1)
+        assert zengine.add_config_arguments(parser) is parser
+        assert "--deepscale" not in parser.format_help()  # DeepSpeed's old names stay hidden
+        args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+        assert args.deepspeed
+        assert args.deepspeed_config == str(path)
+        zengine.init_distributed()  # already initialized: nothing to do, as DeepSpeed's
+        torch.manual_seed(0)
+        model = TinyGPT()
+        engine, *_ = zengine.initialize(args=args, model=model)
+        assert engine.zero_optimization_stage() == 2
+        tokens = global_batches(1, 2 * world_size)[0].chunk(world_size)[zcomm.get_rank()]
+        assert torch.isfinite(_step(engine, tokens))

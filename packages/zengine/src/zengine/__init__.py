@@ -5,8 +5,10 @@
 ``GatheredParameters``; ``zengine.utils`` the ``safe_get_*`` functions.
 """
 
+from zcomm import init_distributed
 from zengine import pipe, utils, zero
 from zengine.__about__ import __version__
+from zengine._args import add_config_arguments
 from zengine._checkpoint_errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -64,11 +66,13 @@ __all__ = [
     "WarmupLR",
     "ZeroOptimizer",
     "__version__",
+    "add_config_arguments",
     "estimate_memory",
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",
     "get_state_devices",
+    "init_distributed",
     "initialize",
     "load_config",
     "pipe",
