@@ -18,7 +18,7 @@ import torch
 import zengine
 import zoffload
 from zcomm.testing import DistributedTest
-from zengine._host_memory import IdleTrimmer
+from zengine._host_memory import IdleTrimmer, zero_releasing_pages
 
 from ._models import TinyGPT, global_batches
 
@@ -209,3 +209,35 @@ def test_a_forked_child_trims_on_its_own() -> None:
     assert os.WIFEXITED(status)
     assert os.WEXITSTATUS(status) == 0
     trimmer.close()
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.skipif(not GLIBC or not Path("/proc/self/status").exists(), reason="Linux, glibc")
+def test_a_large_buffer_is_zeroed_by_handing_its_pages_back() -> None:
+    big = torch.ones(96 << 18)  # 96 MiB of fp32: mmapped, above glibc's threshold
+    inner = big[3:-5]  # neither end on a page boundary
+    view = inner[1000:2000]  # a view taken before stays valid
+    before = _resident_mib()
+    zero_releasing_pages(inner)
+    assert before - _resident_mib() > 64  # the whole pages went back, unwritten
+    assert not bool(inner.any())
+    assert not bool(view.any())
+    assert big[:3].eq(1).all()  # the bytes either side are the caller's, untouched
+    assert big[-5:].eq(1).all()
+    inner.add_(2)  # written again: the kernel supplies zeroed pages
+    assert bool(inner.eq(2).all())
+    assert _resident_mib() - before > -8
+
+
+def test_a_small_or_shared_buffer_is_zeroed_in_place() -> None:
+    small = torch.ones(1000)
+    zero_releasing_pages(small)
+    assert not bool(small.any())
+    shared = torch.ones(10 << 20).share_memory_()  # 40 MiB, but another process may read it
+    zero_releasing_pages(shared)
+    assert not bool(shared.any())

@@ -25,6 +25,14 @@ without it, 0.97-1.00x with it. The mmap threshold is fixed at glibc's own ceili
 where its dynamic threshold ends up for tensors this size; setting either turns the adjustment
 of both off). A user's own ``MALLOC_*_`` variables or ``glibc.malloc`` tunables are left as
 they are.
+
+The gradient partitions are a buffer the engine keeps (DeepSpeed's ``grad_partitions_flat_buffer``,
+which views and ``safe_get_*`` point into), where FSDP2 frees its sharded gradients at each
+``zero_grad``. Zeroing it after a step by hand (`zero_releasing_pages`) gives a large one's pages
+back to the system instead of writing zeros into them, so between steps it costs no resident
+memory, as freed gradients would not, and the next backward finds zeroed pages (measured at
+hidden 1024 on 2 ranks: 128 MiB a rank less resident between steps). A buffer under glibc's
+mmap threshold is zeroed in place: glibc keeps blocks that size in its heap anyway.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ import time
 import weakref
 from collections.abc import Callable
 
-__all__ = ["IDLE_AFTER", "IdleTrimmer", "trim_heap"]
+import torch
+
+__all__ = ["IDLE_AFTER", "IdleTrimmer", "trim_heap", "zero_releasing_pages"]
 
 IDLE_AFTER = 1.0  # seconds without a forward after a step (or an evaluation) before a trim
 _TRIM_ABOVE = 64 << 20  # free heap bytes worth handing back
@@ -45,6 +55,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (ma
 _MMAP_AT = 32 << 20  # glibc's largest mmap threshold on 64-bit systems
 _NEVER = 2**31 - 1  # mallopt takes an int: free() trims only above 2 GiB free at the top
 _USER_KNOBS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+_MADV_DONTNEED = 4  # madvise's advice number (sys/mman.h, Linux)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _held = False  # _hold_heap ran in this process
 
 
@@ -100,6 +112,46 @@ def _hold_heap() -> None:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt(_M_MMAP_THRESHOLD, _MMAP_AT)
     mallopt(_M_TRIM_THRESHOLD, _NEVER)
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        call = ctypes.CDLL(None).madvise
+    except (AttributeError, OSError):
+        return None
+    call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return call  # type: ignore[no-any-return]
+
+
+_madvise_call = _madvise()
+
+
+def zero_releasing_pages(tensor: torch.Tensor) -> None:
+    """``tensor.zero_()``, for a buffer the caller allocated (private memory, not shared or
+    mapped from a file) that stays idle a while after: on CPU, when it is at least glibc's mmap
+    threshold (a block that size is handed back to the system when freed), its whole pages are
+    handed back instead of written (``MADV_DONTNEED``: they read as zeros, and the kernel
+    supplies zeroed pages at the first write), and only the partial pages at its ends are
+    zeroed. As torch's ``zero_grad(set_to_none=True)`` frees the gradients FSDP2 holds between
+    steps, without the views of the buffer going stale."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if (
+        _madvise_call is None
+        or tensor.device.type != "cpu"
+        or nbytes < _MMAP_AT
+        or not tensor.is_contiguous()
+        or tensor.is_shared()
+    ):
+        tensor.zero_()
+        return
+    start = tensor.data_ptr()
+    lo, hi = -(-start // _PAGE) * _PAGE, (start + nbytes) // _PAGE * _PAGE
+    if _madvise_call(lo, hi - lo, _MADV_DONTNEED) != 0:  # locked (pinned) pages, say
+        tensor.zero_()
+        return
+    raw = tensor.view(-1).view(torch.uint8)
+    raw[: lo - start].zero_()
+    raw[hi - start :].zero_()
 
 
 def trim_heap() -> None:

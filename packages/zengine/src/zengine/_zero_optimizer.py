@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
+from zengine._host_memory import zero_releasing_pages
 from zengine._offload_optimizer import NvmeStateSwapper
 from zengine._partitions import Partitions
 
@@ -192,8 +193,10 @@ class ZeroOptimizer:
         return [tensor for tensor, _ in self._stepped]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient partitions (they are buffers, never set to None)."""
-        self.partitions.grad_partitions_flat_buffer.zero_()
+        """Zero the gradient partitions (they are buffers, never set to None; a large one on
+        CPU hands its pages back until the next backward writes them, as freed gradients
+        would be)."""
+        zero_releasing_pages(self.partitions.grad_partitions_flat_buffer)
 
     # -- the step --------------------------------------------------------------------------
 
