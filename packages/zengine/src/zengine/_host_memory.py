@@ -120,7 +120,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     except (AttributeError, OSError):
         return None
     call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return call  # type: ignore[no-any-return]
+    return call
 
 
 _madvise_call = _madvise()
@@ -140,7 +140,7 @@ def zero_releasing_pages(tensor: torch.Tensor) -> None:
         or tensor.device.type != "cpu"
         or nbytes < _MMAP_AT
         or not tensor.is_contiguous()
-        or tensor.is_shared()
+        or tensor.is_shared()  # type: ignore[no-untyped-call]
     ):
         tensor.zero_()
         return
