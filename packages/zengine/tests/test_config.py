@@ -620,6 +620,10 @@ def test_communication_data_type_is_the_reduction_dtype() -> None:
             "communication_data_type: expected 'fp32', 'fp16' or 'bf16', got 'fp8'",
         ),
         (
+            {"host_memory_trim": "always"},
+            "host_memory_trim: expected 'idle', 'step' or 'off', got 'always'",
+        ),
+        (
             {"checkpoint": {"tag_validation": "warning"}},
             "checkpoint.tag_validation: unknown "
             "tag_validation mode 'warning'; did you mean 'WARN'? (supported: IGNORE, WARN, FAIL)",

@@ -167,6 +167,34 @@ class TestEngineIdle(DistributedTest):
         engine.destroy()
 
 
+class TestTrimPolicy(DistributedTest):
+    @needs_glibc
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_step_trims_after_every_step_and_off_never(self, world_size: int) -> None:
+        tokens = global_batches(1, 2)[0]
+        trims = {}
+        for policy in ("step", "off"):
+            torch.manual_seed(0)
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 3},
+                "host_memory_trim": policy,
+            }
+            engine, *_ = zengine.initialize(model=TinyGPT(), config=config)
+            trimmer = engine._idle_trim
+            for _ in range(3):
+                engine.backward(engine(tokens))
+                engine.step()
+                assert trimmer._deadline is None  # nothing is left for the idle thread
+            with torch.no_grad():
+                engine(tokens)  # an evaluation still waits for idleness
+            trims[policy] = trimmer.trims, trimmer._thread is not None
+            engine.destroy()
+        assert trims["step"][0] >= 3  # one after each step (the evaluation's may follow)
+        assert trims["off"] == (0, False)
+
+
 class TestStagingBuffers(DistributedTest):
     world_size = 1
 

@@ -82,6 +82,13 @@ class _Sections(_Section):
     micro-batch."""
     zero_allow_untested_optimizer: bool = False
     """Accepted for DeepSpeed compatibility: zengine runs any torch optimizer at every stage."""
+    host_memory_trim: Literal["idle", "step", "off"] = "idle"
+    """On CPU, when the engine hands the heap's freed memory back to the system ([Note:
+    returning memory on CPU]): once it has sat idle a second after a step or an evaluation
+    (a training loop keeps its working memory for the next step), after every step (between
+    steps the process holds little more than the model states; every step faults its working
+    memory in again, which costs time), or never (glibc's own trimming as it frees, as in a
+    process without zengine). Not a DeepSpeed key."""
     nonfinite_gradients: Literal["skip", "raise"] = "skip"
     """With bf16 or fp32, what a step does when a gradient holds an inf or NaN: skip it (the
     masters stay as they were; DeepSpeed's behaviour) or raise an error on every rank. With fp16

@@ -106,8 +106,10 @@ class Engine(nn.Module):
         # ([Note: returning memory on CPU]), with NVMe offload's staging buffers (unpinned on
         # CPU: nothing to pin again); on a GPU the host heap hardly churns.
         self._idle_trim = IdleTrimmer(
-            enabled=device.type == "cpu", also=lambda: default_pool().trim(pinned=False)
+            enabled=device.type == "cpu" and config.host_memory_trim != "off",
+            also=lambda: default_pool().trim(pinned=False),
         )
+        self._trim_each_step = config.host_memory_trim == "step"
 
     def __getattr__(self, name: str) -> Any:
         """What the engine lacks, its model may have: DeepSpeed's engine hands unknown
@@ -336,7 +338,15 @@ class Engine(nn.Module):
         if self._unused is not None:
             self._unused.reset()
         self.progress.after_step()
-        self._idle_trim.idle()
+        self._release_after_step()
+
+    def _release_after_step(self) -> None:
+        """Freed host memory back to the system now (``host_memory_trim: step``) or once the
+        engine sits idle ([Note: returning memory on CPU])."""
+        if self._trim_each_step:
+            self._idle_trim.now()
+        else:
+            self._idle_trim.idle()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:

@@ -13,6 +13,9 @@ and Go's scavenger do, the heap is trimmed only once the engine has been idle fo
 seconds after an optimizer step or an evaluation (a forward without gradients): a training
 loop, whose next forward comes within milliseconds, keeps its heap warm; a process that has
 finished, waits for data or lets another program run between steps gives the memory back.
+The config's ``host_memory_trim`` picks otherwise: ``step`` trims at the end of every step (the
+process holds little more than its model states between steps, and pays the faults at each),
+``off`` leaves it all to glibc (no hold below either).
 
 For the same reason glibc's own trimming inside `free()` is turned off once an engine on CPU
 is built (`_hold_heap`; for the rest of the process: glibc has no way back to its dynamic
@@ -174,7 +177,8 @@ class IdleTrimmer:
         enabled: bool = True,
         also: Callable[[], object] | None = None,
     ) -> None:
-        """`also`: more to give back at each trim (zoffload's unpinned staging buffers)."""
+        """`after`: seconds idle before a trim; `above`: the free bytes worth a trim; `also`:
+        more to give back at each trim (zoffload's unpinned staging buffers)."""
         self.after = after
         self.trims = 0  # how many trims ran (for tests and curiosity)
         self._also = also
@@ -199,6 +203,12 @@ class IdleTrimmer:
                 self._thread.start()
                 _running.add(self)
             self._wake.notify()
+
+    def now(self) -> None:
+        """Trim at once, in this thread (``host_memory_trim: step``)."""
+        if self._run is not None:
+            self._deadline = None
+            self._trim()
 
     def busy(self) -> None:
         """Work started: the heap's free memory is about to be used again."""
@@ -228,10 +238,14 @@ class IdleTrimmer:
                 if self._closed:
                     return
                 self._deadline = None
-            if self._also is not None:
-                self._also()
-            self._run()
-            self.trims += 1
+            self._trim()
+
+    def _trim(self) -> None:
+        assert self._run is not None
+        if self._also is not None:
+            self._also()
+        self._run()
+        self.trims += 1
 
 
 # Threads are stopped while the interpreter still runs: a daemon thread inside malloc_trim

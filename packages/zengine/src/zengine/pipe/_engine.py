@@ -185,7 +185,7 @@ class PipelineEngine(Engine):
         self.global_samples += self.train_batch_size()
         self.progress.record_loss(loss)
         self.progress.after_step()
-        self._idle_trim.idle()  # [Note: returning memory on CPU]
+        self._release_after_step()
         return loss
 
     def eval_batch(
