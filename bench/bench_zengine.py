@@ -28,6 +28,8 @@ ratios to the reference (plain PyTorch at world size 1, DDP at world size 2).
 4. Memory: 4 blocks of hidden 1024 at world size 2, one contender at a time, RSS per rank.
    Target: zengine's end-of-run RSS at most FSDP2's, read right after the last step and again
    after 2 s at rest (zengine hands freed heap back after 1 s idle; the others never do).
+   zengine twice: as configured above, and with ``host_memory_trim: step`` (the heap handed
+   back after every step), each with its wall time per step at this size.
 
 A contender that cannot be built or fails is reported as "not available: <reason>" (DeepSpeed
 when it is not installed); its traceback is printed at the end.
@@ -66,6 +68,8 @@ WORLD = 2
 QUICK = "--quick" in sys.argv
 # rounds, steps per contender per round, warm-up steps (their losses are the check), steps of
 # the memory run
+# rounds, steps per contender per round, warm-up steps (their losses are the check), timed
+# steps of the memory run after its warm-up
 ROUNDS, STEPS, WARMUP, MEM_STEPS = (2, 2, 2, 1) if QUICK else (6, 4, 3, 3)
 TARGET_WS1, TARGET_WS2 = 1.05, 1.10  # zengine CPU / plain at ws 1; zengine / DDP at ws 2
 IDLE = 2.0  # seconds at rest after the run before the memory is read again
@@ -80,10 +84,13 @@ PLAIN, AA, DDP, ZENGINE, FSDP, DEEPSPEED = (
     "FSDP2 per block",
     "DeepSpeed ZeRO-3",
 )
+# zengine with the heap handed back after every step, not once idle (a zengine-only key)
+ZENGINE_TRIM = "zengine stage 3, host_memory_trim: step"
+ZENGINES = {ZENGINE: {}, ZENGINE_TRIM: {"host_memory_trim": "step"}}
 REFERENCE = "plain PyTorch, global batch"  # world size 1 on the global batch: ws 2's reference
 WS1 = [PLAIN, AA, ZENGINE, FSDP, DEEPSPEED]
 WS2 = [DDP, ZENGINE, FSDP, DEEPSPEED]
-MEMORY = [ZENGINE, FSDP, DDP, DEEPSPEED]
+MEMORY = [ZENGINE, ZENGINE_TRIM, FSDP, DDP, DEEPSPEED]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,8 +127,10 @@ def _trainer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
     return step
 
 
-def _engine_trainer(library: str, model: nn.Module, micro_batch: int) -> Step:
-    """zengine or DeepSpeed: the same config, the same loop."""
+def _engine_trainer(
+    library: str, model: nn.Module, micro_batch: int, extra: dict[str, Any] | None = None
+) -> Step:
+    """zengine or DeepSpeed: the same config (`extra` keys added), the same loop."""
     module: Any = importlib.import_module(library)  # Any: DeepSpeed ships no type information
     initialize = getattr(module, "initialize", None)
     if initialize is None:
@@ -132,6 +141,7 @@ def _engine_trainer(library: str, model: nn.Module, micro_batch: int) -> Step:
         "steps_per_print": 1_000_000,
         "optimizer": {"type": "Adam", "params": {"lr": LR}},
         "zero_optimization": {"stage": 3},
+        **(extra or {}),
     }
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
 
@@ -159,8 +169,8 @@ def _build(label: str, hidden: int, micro_batch: int) -> Step:
             fully_shard(block)
         fully_shard(model)
         return _trainer(model, torch.optim.Adam(model.parameters(), lr=LR))
-    if label == ZENGINE:
-        return _engine_trainer("zengine", model, micro_batch)
+    if label in ZENGINES:
+        return _engine_trainer("zengine", model, micro_batch, ZENGINES[label])
     if label == DEEPSPEED:
         return _engine_trainer("deepspeed", model, micro_batch)
     raise ValueError(f"unknown contender {label!r}")
@@ -192,7 +202,8 @@ def _worker(label: str, hidden: int, seq: int, micro_batch: int) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        for library in {ZENGINE: "zengine", DEEPSPEED: "deepspeed"}.get(label, "").split():
+        library = "zengine" if label in ZENGINES else "deepspeed" if label == DEEPSPEED else None
+        if library is not None:
             importlib.import_module(library)  # so that the baseline holds the imports
         baseline = _memory()["end"]
         step = _build(label, hidden, micro_batch)
@@ -389,8 +400,9 @@ def _memory_phase(logdir: str) -> dict[str, Group]:
     for label in MEMORY:
         g = _start(label, WORLD, logdir, MEM_HIDDEN, MEM_SEQ, MEM_MICRO_BATCH)
         _started([g])
-        if MEM_STEPS > WARMUP:
-            g.ask(f"run {MEM_STEPS - WARMUP}", STARTUP_TIMEOUT)
+        replies = g.ask(f"run {MEM_STEPS}", STARTUP_TIMEOUT)
+        if replies is not None:
+            g.wall.append(replies[0]["wall"])
         _finish([g])
         result[label] = g
     return result
@@ -492,21 +504,23 @@ def _print_memory(groups: dict[str, Group]) -> None:
     print(
         f"### Memory: {BLOCKS} blocks of hidden {MEM_HIDDEN} ({params / 1e6:.1f} M parameters, "
         f"fp32, Adam), world size {WORLD}, sequence {MEM_SEQ}, micro-batch {MEM_MICRO_BATCH}, "
-        f"{MEM_STEPS} steps; each contender alone; MiB per rank (rank 0 / rank 1); baseline is "
-        "the RSS after imports and process-group start, before the model is built\n"
+        f"{WARMUP} steps, then {MEM_STEPS} timed (wall ms per step, their mean; each contender "
+        "alone, so a time to set against the memory, not a benchmark); MiB per rank (rank 0 / "
+        "rank 1); baseline is the RSS after imports and process-group start, before the model "
+        "is built\n"
     )
     print(
-        f"| contender | baseline RSS | peak RSS | end-of-run RSS | after {IDLE:g} s at rest "
-        "| target | verdict |"
+        f"| contender | wall ms | baseline RSS | peak RSS | end-of-run RSS | after {IDLE:g} s "
+        "at rest | target | verdict |"
     )
-    print("|---|---:|---:|---:|---:|---|---|")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
     fsdp = groups.get(FSDP)
     for label, g in groups.items():
         if g.error is not None or not g.memory:
-            print(f"| {label} | not available: {g.error} | | | | | |")
+            print(f"| {label} | not available: {g.error} | | | | | | |")
             continue
         target = verdict = ""
-        if label == ZENGINE:
+        if label in ZENGINES:
             target = "end RSS <= FSDP2's, each rank"
             if fsdp is not None and fsdp.memory:
                 verdict = ", ".join(
@@ -515,8 +529,9 @@ def _print_memory(groups: dict[str, Group]) -> None:
                 )
             else:
                 verdict = "no FSDP2 figure"
+        wall = f"{1e3 * g.wall[0]:.0f}" if g.wall else ""
         print(
-            f"| {label} | {_mib(g.baseline)} | {_mib([m['peak'] for m in g.memory])} "
+            f"| {label} | {wall} | {_mib(g.baseline)} | {_mib([m['peak'] for m in g.memory])} "
             f"| {_mib([m['end'] for m in g.memory])} | {_mib([m['idle'] for m in g.memory])} "
             f"| {target} | {verdict} |"
         )
