@@ -144,6 +144,7 @@ def zero_releasing_pages(tensor: torch.Tensor) -> None:
         or nbytes < _MMAP_AT
         or not tensor.is_contiguous()
         or tensor.is_shared()  # type: ignore[no-untyped-call]
+        or tensor.is_pinned()  # page-locked: the kernel would refuse (EINVAL) anyway
     ):
         tensor.zero_()
         return
