@@ -130,7 +130,12 @@ class Link:
         header = torch.tensor([kind, micro_batch, source, size], dtype=torch.int64)
         parts = [header.to(self.device).view(torch.uint8)]
         for tensor in tensors:
-            data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            flat = tensor.detach().contiguous().view(-1)
+            if flat.numel() == 1 and flat.stride(0) != 1:
+                # one element counts as contiguous whatever its stride: an expanded gradient
+                # (autograd.grad of x + w, say) keeps stride 0, which a byte view refuses
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            data = flat.view(torch.uint8)
             parts.append(data)
             pad = _padded(data.numel()) - data.numel()
             if pad:
