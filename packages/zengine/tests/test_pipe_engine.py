@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import zcomm
+import zengine
 from zcomm.testing import DistributedTest
-from zengine.pipe import PipelineEngine
+from zengine.pipe import PipelineEngine, PipelineModule, TiedLayerSpec
 
 from .test_pipe import (
     batches,
@@ -134,3 +136,61 @@ class TestParity(DistributedTest):
         losses, expected, engine = _run(2, steps=6, **half)
         torch.testing.assert_close(losses, expected, rtol=3e-2, atol=0)
         assert next(engine.module.parameters()).dtype == engine.config.dtype
+
+
+class Scale(nn.Module):
+    """y = x * w, w starting at 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _add_weight(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The tied copy on the last stage adds w: its gradient there is the loss factor."""
+    assert isinstance(module, Scale)
+    return x + module.weight
+
+
+def _summed(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return output.float().sum()
+
+
+class TestAccumulationDtype(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+    @pytest.mark.parametrize("accumulate", [None, "bf16"])
+    def test_bf16_micro_batches_sum_in_fp32_by_default(
+        self, schedule: str, accumulate: str | None
+    ) -> None:
+        # w tied across the 2 stages: loss = x * w + w, over 4 micro-batches of x = 1 and
+        # 3 x 2**-9 (the loss divided by 4): stage 0's gradient 1/4 + 3 x 2**-11, which a bf16
+        # running sum rounds to 1/4, stage 1's 4 x 1/4, summed over the stages (ReduceTiedGrads)
+        module = PipelineModule(
+            [TiedLayerSpec("w", Scale), TiedLayerSpec("w", Scale, forward_fn=_add_weight)],
+            num_stages=2,
+            loss_fn=_summed,
+            partition_method="uniform",
+        )
+        cfg: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 4,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+            "bf16": {"enabled": True},
+            "communication_data_type": "fp32",
+            "pipeline": {"schedule": schedule},
+        }
+        if accumulate is not None:
+            cfg["data_types"] = {"grad_accum_dtype": accumulate}
+        engine = initialize(module, cfg)
+        xs = [1.0, 2.0**-9, 2.0**-9, 2.0**-9]
+        engine.train_batch(iter([(torch.tensor([[x]]).bfloat16(), torch.zeros(1)) for x in xs]))
+        master = zengine.safe_get_full_fp32_param(module.tied_parameters("w")[0])
+        assert master is not None
+        grad = 1.0 - master.item()  # SGD, lr 1, from w = 1
+        assert grad == (1.25 + 3 * 2.0**-11 if accumulate is None else 1.25), grad

@@ -161,8 +161,10 @@ class DataTypesConfig(_Section):
     """``data_types``: the dtypes of training state that the precision sections do not set."""
 
     grad_accum_dtype: DataType | None = None
-    """The dtype ZeRO-3's gradient partitions accumulate in over micro-batches; None: the
-    model's compute dtype."""
+    """The dtype gradients accumulate in over micro-batches: at stage 3 the gradient
+    partitions', at stages 0 and 1 (and in a pipeline) fp32 or the compute dtype, at stage 2
+    fp32 always (its partitions); None: DeepSpeed's default, fp32 for bf16 at stage 0 (its
+    BF16_Optimizer), else the compute dtype."""
 
 
 class BF16Config(_Section):

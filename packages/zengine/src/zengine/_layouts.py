@@ -8,7 +8,8 @@ backward that ends the accumulation (all-reduced at stage 0); stage 2 keeps no f
 each backward's are copied into buckets, reduced and dropped, each rank keeping its partition.
 After the step the updated partitions are all-gathered back into the parameters. Stages 0 and 1
 may accumulate in a wider dtype than the parameters' (`accumulate_dtype`): the ``.grad`` then
-hold one backward's gradients, folded into the wide buffer after each backward.
+hold one backward's gradients, folded into the wide buffer after each backward (bucket by
+bucket by the hooks; a pipeline folds whole buffers after each micro-batch, `fold`).
 
 `ShardedLayout` (stage 3): zpartition owns the parameters; its gradient sink adds each reduced
 shard gradient into the partition's gradient buffer, and after the step the masters are copied
@@ -125,9 +126,13 @@ class FlatLayout:
             bucket_size=bucket_size,
             overlap=overlap,
             storage=self.grad_flats if stage < 2 else None,
-            low=self.low_grad_flats or None,
+            # a pipeline folds whole buffers itself (`fold`): its split backward writes .grad
+            # past the hooks
+            low=(self.low_grad_flats or None) if during_backward else None,
             dtype=reduce_dtype,
         )
+        # id(param) -> (group, offset in the group's flat buffers)
+        self._offset_of = {id(p): (g, off) for g, pairs in enumerate(offsets) for p, off in pairs}
 
     def _pack(
         self, params: list[nn.Parameter], device: torch.device
@@ -198,6 +203,24 @@ class FlatLayout:
                 # would be zeros and a write would leak into the next step, so there is none,
                 # as DeepSpeed's ZeRO optimizers leave it
                 self._drop_grads()
+
+    def fold(self) -> None:
+        """A pipeline's micro-batch has its weight gradients: add them into the wide
+        accumulation buffers and zero the compute-dtype ones (nothing without those)."""
+        for wide, low in zip(self.grad_flats, self.low_grad_flats, strict=False):
+            wide.add_(low)
+            low.zero_()
+
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s gradient accumulated so far in this rank's full gradient buffers (stages
+        0 and 1): its ``.grad``, or its view of the wide buffer when the ``.grad`` are of the
+        compute dtype and folded into that."""
+        if not self.low_grad_flats:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            return param.grad
+        g, off = self._offset_of[id(param)]
+        return self.grad_flats[g][off : off + param.numel()].view_as(param)
 
     def _drop_grads(self) -> None:
         for params in self.params:

@@ -52,14 +52,6 @@ def _check(cfg: EngineConfig, model: PipelineModule) -> None:
             "parallelism supports ZeRO stages 0 and 1 (stages 2 and 3 would reduce gradients "
             "or gather parameters for every micro-batch)"
         )
-    wide = cfg.data_types.grad_accum_dtype
-    if wide is not None and cfg.accumulation_dtype != cfg.dtype:
-        # the schedule accumulates weight gradients into .grad itself (tied weights, split
-        # backward), past the hooks that would fold them into a wider buffer
-        problems.append(
-            f"data_types.grad_accum_dtype: {wide} with a PipelineModule; a pipeline "
-            f"accumulates gradients in the compute dtype ({str(cfg.dtype).removeprefix('torch.')})"
-        )
     if problems:
         raise ConfigError(problems)
 
@@ -100,6 +92,7 @@ def initialize_pipeline(
         device=device,
         during_backward=False,
         reduce_dtype=cfg.communication_dtype,
+        accumulate_dtype=cfg.accumulation_dtype,
     )
     zero = PipeZeroOptimizer(
         make_optimizer,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
+from zengine._layouts import FlatLayout
 from zengine._zero_optimizer import ZeroOptimizer
 
 __all__ = ["PipeZeroOptimizer"]
@@ -25,6 +26,8 @@ __all__ = ["PipeZeroOptimizer"]
 class PipeZeroOptimizer(ZeroOptimizer):
     """`ZeroOptimizer` whose global norm spans the pipeline (`pipe_group`); `copies` are the
     tied weights this stage holds as a second copy, left out of the norm."""
+
+    layout: FlatLayout  # stages 0 and 1, reduced at the schedule's ReduceGrads
 
     def __init__(
         self,

@@ -93,7 +93,9 @@ class BatchRun:
             zpipe.RecvActivation: self.recv_activation,
             zpipe.SendGrad: self.send_grad,
             zpipe.RecvGrad: self.recv_grad,
-            zpipe.ReduceTiedGrads: lambda _: engine.module.allreduce_tied_grads(),
+            zpipe.ReduceTiedGrads: lambda _: engine.module.allreduce_tied_grads(
+                engine.optimizer.layout.accumulated_grad
+            ),
             zpipe.ReduceGrads: lambda _: engine.optimizer.layout.after_backward(True),
             zpipe.OptimizerStep: lambda _: engine.optimizer_step(),
         }
@@ -348,6 +350,9 @@ class BatchRun:
         self._backward_done(cmd, slot)
 
     def _backward_done(self, cmd: Any, slot: _Slot) -> None:
+        # the micro-batch's weight gradients are all in: into the wide buffers, when the
+        # engine accumulates in a wider dtype than the parameters' (grad_accum_dtype)
+        self.engine.optimizer.layout.fold()
         slot.outputs, slot.out_floats, slot.out_grads = None, [], None
         slot.backward_done = True
         self._release(cmd, slot)
