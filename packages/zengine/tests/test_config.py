@@ -940,3 +940,37 @@ def test_bf16_check_grad_overflow_and_torch_adam_outside_params(
         "zengine: config bf16.check_grad_overflow: false: zengine still checks the gradients "
         "for inf and NaN, and skips such a step (nonfinite_gradients: 'skip')"
     ]
+
+
+def test_deepspeeds_other_dtype_spellings() -> None:
+    # "bfp16" is DeepSpeed's communication_data_type spelling; its data_types take its
+    # DtypeEnum's names; any case
+    for given, name in (
+        ("bfp16", "bf16"),
+        ("BF16", "bf16"),
+        ("bfloat16", "bf16"),
+        ("half", "fp16"),
+    ):
+        config = load_config(
+            {
+                "train_batch_size": 1,
+                "communication_data_type": given,
+                "data_types": {"grad_accum_dtype": given},
+                "zero_optimization": {"stage": 3},
+            },
+            world_size=1,
+        )
+        assert config.communication_data_type == name
+        assert config.data_types.grad_accum_dtype == name
+    # at stages 0-2 a spelled-out bf16 under fp16 is still refused by what it is
+    assert _problems(
+        {
+            "train_batch_size": 1,
+            "fp16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "bfloat16"},
+        }
+    ) == [
+        "data_types.grad_accum_dtype: bf16 is neither fp32 nor the compute dtype (fp16); ZeRO "
+        "stages 0-2 accumulate gradients in one of those, another dtype works at stage 3 only "
+        "(the stage is 0)"
+    ]

@@ -32,6 +32,7 @@ from zengine._config_sections import (
     SchedulerConfig,
     ZeroConfig,
     _Section,
+    dtype_name,
 )
 from zpartition import ZeroParamConfig
 
@@ -281,7 +282,7 @@ def _precision_problems(data: Mapping[Any, Any]) -> list[str]:
         "bf16" if _enabled(data.get(bf16)) else "fp16" if _enabled(data.get("fp16")) else "fp32"
     )
     types, zero = data.get("data_types"), data.get("zero_optimization")
-    accumulate = types.get("grad_accum_dtype") if isinstance(types, Mapping) else None
+    accumulate = dtype_name(types.get("grad_accum_dtype")) if isinstance(types, Mapping) else None
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
     if accumulate in {"fp16", "bf16"} - {compute} and isinstance(stage, int) and stage < 3:
         # said rather than ignored: stages 0-2 accumulate in fp32 or the compute dtype

@@ -48,7 +48,31 @@ SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "One
 _DEEPSPEED_OPTIMIZER_OPTIONS = frozenset({"torch_adam", "adam_w_mode"})
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
-DataType = Literal["fp32", "fp16", "bf16"]
+# DeepSpeed's other spellings: "bfp16" is communication_data_type's, the rest its DtypeEnum's
+_DTYPE_ALIASES = {
+    "bfp16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+}
+
+
+def dtype_name(value: object) -> object:
+    """A dtype as the config writes it ('fp32', 'fp16', 'bf16'), from any of DeepSpeed's
+    spellings (any case); other values as they are, for the type check to report."""
+    if isinstance(value, str):
+        lowered = value.lower()
+        known = lowered in ("fp32", "fp16", "bf16")
+        return _DTYPE_ALIASES.get(lowered, lowered if known else value)
+    return value
+
+
+DataType = Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(dtype_name)]
 
 
 def _whole_number(value: object) -> object:
