@@ -59,6 +59,20 @@ class TestCollectives(DistributedTest):
 
     @SIZES
     @pytest.mark.parametrize("async_op", [False, True])
+    @pytest.mark.parametrize("op", ["sum", "avg"])
+    def test_reduce(self, world_size: int, async_op: bool, op: str) -> None:
+        dst = world_size - 1  # not rank 0: the destination is a global rank
+        t = _rank_tensor(6, zcomm.get_rank())
+        reduce_op = zcomm.ReduceOp.SUM if op == "sum" else zcomm.ReduceOp.AVG
+        zcomm.reduce(t, dst, op=reduce_op, async_op=async_op).wait()
+        if zcomm.get_rank() == dst:
+            total = sum(_rank_tensor(6, r) for r in range(world_size))
+            torch.testing.assert_close(t, total if op == "sum" else total / world_size)
+        with pytest.raises(ValueError, match="dst"):
+            zcomm.reduce(t, world_size)  # no such rank
+
+    @SIZES
+    @pytest.mark.parametrize("async_op", [False, True])
     def test_all_gather_into_tensor(self, world_size: int, async_op: bool) -> None:
         mine = _rank_tensor(3, zcomm.get_rank())
         out = torch.empty(3 * world_size)

@@ -20,6 +20,7 @@ from zcomm._collectives import (
     all_reduce,
     barrier,
     broadcast,
+    reduce,
     reduce_scatter_tensor,
 )
 from zcomm._errors import CommError, CommTimeoutError
@@ -65,6 +66,7 @@ __all__ = [
     "log_summary",
     "new_group",
     "recv",
+    "reduce",
     "reduce_scatter_coalesced",
     "reduce_scatter_tensor",
     "reset_comm_accounting",

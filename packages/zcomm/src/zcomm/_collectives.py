@@ -24,6 +24,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "gather_flat",
+    "reduce",
     "reduce_scatter_tensor",
     "scatter_flat",
 ]
@@ -70,6 +71,34 @@ def all_reduce(
         "all_reduce",
         group,
         lambda a: dist.all_reduce(tensor, op=torch_op, group=group, async_op=a),
+        async_op=async_op,
+        nbytes=_nbytes(tensor),
+        finish=finish,
+    )
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    *,
+    op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Reduce `tensor` across `group` with `op` into global rank `dst`'s `tensor`; the other
+    ranks' `tensor` is left as torch.distributed leaves it (unspecified)."""
+    check_tensor("reduce", "tensor", tensor)
+    size = group_size("reduce", check_group("reduce", group))
+    check_rank("reduce", "dst", dst, group)
+    if size == 1:
+        return completed("reduce")
+    finish, torch_op = None, op
+    if _emulated_avg(op, group):
+        finish, torch_op = _average(tensor, size), ReduceOp.SUM
+    return run(
+        "reduce",
+        group,
+        lambda a: dist.reduce(tensor, dst, op=torch_op, group=group, async_op=a),
         async_op=async_op,
         nbytes=_nbytes(tensor),
         finish=finish,
