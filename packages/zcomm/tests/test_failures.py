@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import zcomm
 from zcomm.testing import DistributedTest
@@ -17,7 +19,10 @@ class TestCollectiveTimeout(DistributedTest):
 
     @pytest.mark.parametrize(("world_size", "async_op"), [(2, False), (4, True)])
     def test_error_names_operation_group_and_rank(self, world_size: int, async_op: bool) -> None:
-        zcomm.init_distributed(timeout=0.5)
+        # started with the default timeout, then the world group's lowered to 0.5 s: a start
+        # under 0.5 s is not what is tested, and 4 ranks on a loaded 2-core machine miss it
+        zcomm.init_distributed()
+        _set_pg_timeout(timedelta(seconds=0.5))
         rank = zcomm.get_rank()
         start = time.monotonic()
         if rank != 0:  # rank 0 never joins the all-reduce
@@ -45,7 +50,6 @@ class _RankDies(DistributedTest):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_dead_rank_fails_its_peers_with_a_message(world_size: int) -> None:
-    start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as info:
         _RankDies().test_last_rank_exits(world_size=world_size)
     message = str(info.value)
@@ -53,5 +57,6 @@ def test_a_dead_rank_fails_its_peers_with_a_message(world_size: int) -> None:
     assert "rank 0 raised" in message
     assert "CommError: all_reduce on the world group" in message
     assert "failed on rank 0" in message
-    assert "did not finish" not in message  # the peers failed fast; none had to be killed
-    assert time.monotonic() - start < 60
+    # the peers failed fast, on their own: none had to be killed at the harness's deadline (no
+    # wall-clock bound here: a loaded machine may need the harness's retry of a slow start)
+    assert "did not finish" not in message
