@@ -52,6 +52,16 @@ def _average(tensor: torch.Tensor, size: int) -> Callable[[], None]:
     return divide
 
 
+def _reduction(
+    op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None, tensor: torch.Tensor, size: int
+) -> tuple[dist.ReduceOp.RedOpType, Callable[[], None] | None]:
+    """The op torch runs for `op`, and what to do to `tensor` after (gloo's AVG: a sum, then a
+    division by `size`)."""
+    if _emulated_avg(op, group):
+        return ReduceOp.SUM, _average(tensor, size)
+    return op, None
+
+
 def all_reduce(
     tensor: torch.Tensor,
     *,
@@ -64,9 +74,7 @@ def all_reduce(
     size = group_size("all_reduce", check_group("all_reduce", group))
     if size == 1:
         return completed("all_reduce")
-    finish, torch_op = None, op
-    if _emulated_avg(op, group):
-        finish, torch_op = _average(tensor, size), ReduceOp.SUM
+    torch_op, finish = _reduction(op, group, tensor, size)
     return run(
         "all_reduce",
         group,
@@ -92,9 +100,7 @@ def reduce(
     check_rank("reduce", "dst", dst, group)
     if size == 1:
         return completed("reduce")
-    finish, torch_op = None, op
-    if _emulated_avg(op, group):
-        finish, torch_op = _average(tensor, size), ReduceOp.SUM
+    torch_op, finish = _reduction(op, group, tensor, size)
     return run(
         "reduce",
         group,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,9 @@ class Checkpoints(Protocol):
 class Engine(nn.Module):
     """What `zengine.initialize` returns first. Call it like the model."""
 
+    # whether step() checks ignore_unused_parameters (the pipeline engine's step is its own)
+    checks_unused_parameters: ClassVar[bool] = True
+
     def __init__(
         self,
         module: nn.Module,
@@ -96,9 +99,10 @@ class Engine(nn.Module):
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word
         self.progress = Progress(self, config)
         # ignore_unused_parameters false: a step refuses parameters left without a gradient
+        checked = self.checks_unused_parameters and optimizer is not None
         self._unused = (
             UnusedParameterCheck(module, self.group)
-            if optimizer is not None and not config.zero_optimization.ignore_unused_parameters
+            if checked and not config.zero_optimization.ignore_unused_parameters
             else None
         )
         self._offloaded = StateOffloader(nvme_offloader(config.aio))
@@ -109,7 +113,6 @@ class Engine(nn.Module):
             enabled=device.type == "cpu" and config.host_memory_trim != "off",
             also=lambda: default_pool().trim(pinned=False),
         )
-        self._trim_each_step = config.host_memory_trim == "step"
 
     def __getattr__(self, name: str) -> Any:
         """What the engine lacks, its model may have: DeepSpeed's engine hands unknown
@@ -343,7 +346,7 @@ class Engine(nn.Module):
     def _release_after_step(self) -> None:
         """Freed host memory back to the system now (``host_memory_trim: step``) or once the
         engine sits idle ([Note: returning memory on CPU])."""
-        if self._trim_each_step:
+        if self.config.host_memory_trim == "step":
             self._idle_trim.now()
         else:
             self._idle_trim.idle()

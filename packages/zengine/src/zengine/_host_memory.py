@@ -144,13 +144,13 @@ def zero_releasing_pages(tensor: torch.Tensor) -> None:
         or nbytes < _MMAP_AT
         or not tensor.is_contiguous()
         or tensor.is_shared()  # type: ignore[no-untyped-call]
-        or tensor.is_pinned()  # page-locked: the kernel would refuse (EINVAL) anyway
+        or tensor.is_pinned()  # page-locked by the CUDA driver: its pages must stay
     ):
         tensor.zero_()
         return
     start = tensor.data_ptr()
     lo, hi = -(-start // _PAGE) * _PAGE, (start + nbytes) // _PAGE * _PAGE
-    if _madvise_call(lo, hi - lo, _MADV_DONTNEED) != 0:  # locked (pinned) pages, say
+    if _madvise_call(lo, hi - lo, _MADV_DONTNEED) != 0:  # refused (an mlocked range, say)
         tensor.zero_()
         return
     raw = tensor.view(-1).view(torch.uint8)

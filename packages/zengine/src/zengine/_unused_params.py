@@ -28,12 +28,12 @@ class UnusedParameterCheck:
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self._names = {id(p): name for name, p in trainable}
         self._seen: set[int] = set()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
-            for p in module.parameters()
-            if p.requires_grad
+            for _, p in trainable
         ]
 
     def _arrived(self, param: torch.Tensor) -> None:

@@ -71,6 +71,9 @@ class PipelineEngine(Engine):
 
     module: PipelineModule
     optimizer: PipeZeroOptimizer
+    # ignore_unused_parameters is not checked: the schedule steps itself, and its split backward
+    # writes .grad past the hooks that would see the gradients arrive
+    checks_unused_parameters = False
 
     def __init__(
         self,
@@ -84,9 +87,6 @@ class PipelineEngine(Engine):
         super().__init__(
             module, optimizer, lr_scheduler, config=config, device=device, partitioned=None
         )
-        if self._unused is not None:  # ignore_unused_parameters: the engine's step() checks it,
-            self._unused.remove()  # the schedule's step does not (its split backward writes
-            self._unused = None  # .grad past the hooks)
         self.grid = module.mpu()
         self.stage_id = module.stage_id
         self.num_stages = module.num_stages

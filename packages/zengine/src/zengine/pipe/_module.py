@@ -236,17 +236,10 @@ class PipelineModule(nn.Module):
             for p in self.tied_parameters(key):
                 zcomm.broadcast(p.data, ranks[0], group=group)
 
-    def allreduce_tied_grads(
-        self, grad_of: Callable[[nn.Parameter], torch.Tensor] | None = None
-    ) -> None:
+    def allreduce_tied_grads(self, grad_of: Callable[[nn.Parameter], torch.Tensor]) -> None:
         """Sum each tied weight's gradient over the stages holding it (``ReduceTiedGrads``).
-        `grad_of`: where a weight's accumulated gradient lies (the engine's wide buffer when it
-        accumulates in another dtype); None: its ``.grad``."""
+        `grad_of`: where a weight's accumulated gradient lies (the engine's layout knows: its
+        ``.grad``, or the wide buffer when it accumulates in another dtype)."""
         for key, (_, group) in self._tied_groups.items():
             for p in self.tied_parameters(key):
-                if grad_of is not None:
-                    zcomm.all_reduce(grad_of(p), group=group)
-                    continue
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                zcomm.all_reduce(p.grad, group=group)
+                zcomm.all_reduce(grad_of(p), group=group)
