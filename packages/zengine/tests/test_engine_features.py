@@ -184,6 +184,7 @@ class TestFp16(DistributedTest):
         assert optimizer.dynamic_loss_scale
         assert (optimizer.scale_window, optimizer.min_loss_scale) == (1000, 1.0)
         assert optimizer.cur_iter == 2
+        assert optimizer.loss_scale_config.cur_scale == optimizer.cur_scale  # DeepSpeed 0.18's
         assert engine.fp16_enabled()
         assert torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
         assert torch.isfinite(masters).all()
@@ -191,6 +192,47 @@ class TestFp16(DistributedTest):
         assert engine.was_step_applied()
         assert not optimizer.overflow
         assert not torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
+
+    @SIZES
+    @pytest.mark.parametrize("stage", [0, 1])
+    def test_scale_follows_deepspeeds_optimizer_for_the_stage(
+        self, world_size: int, stage: int
+    ) -> None:
+        """DeepSpeed scales stage 0 with its FP16_Optimizer: a raise takes window + 1 clean
+        steps and the minimum scale is a floor; its ZeRO scaler raises after window clean
+        steps and stops the run at the minimum."""
+        fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
+        fp16 |= {"hysteresis": 1, "min_loss_scale": 128}
+        engine, optimizer, *_ = zengine.initialize(
+            model=TinyGPT(), config=_config(stage, fp16=fp16)
+        )
+        tokens = global_batches(1, 2)[0]
+        scales = []
+        for overflow in [False, False, False, True, True, False, False, False]:
+            loss = engine(tokens)
+            engine.backward(loss * float("inf") if overflow and zcomm.get_rank() == 0 else loss)
+            engine.step()
+            scales.append(optimizer.cur_scale)
+        if stage == 0:
+            assert scales == [256, 256, 512, 256, 128, 128, 128, 256]
+        else:
+            assert scales == [256, 512, 512, 256, 128, 128, 256, 256]
+        floor = optimizer.min_loss_scale
+        assert floor == 128
+        while optimizer.cur_scale > floor:  # down to the floor, then one more overflow
+            loss = engine(tokens)
+            engine.backward(loss * float("inf") if zcomm.get_rank() == 0 else loss)
+            engine.step()
+        loss = engine(tokens)
+        engine.backward(loss * float("inf") if zcomm.get_rank() == 0 else loss)
+        if stage == 0:
+            engine.step()  # skipped, the scale stays at the floor, training goes on
+            assert optimizer.cur_scale == floor
+            _step(engine, tokens)
+            assert engine.was_step_applied()
+        else:
+            with pytest.raises(zengine.MinLossScaleError, match="minimum"):
+                engine.step()
 
 
 class TestUserOptimizerAndScheduler(DistributedTest):

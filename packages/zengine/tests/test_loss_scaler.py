@@ -47,6 +47,15 @@ def test_overflow_lowers_and_restarts_the_window():
     assert scaler.cur_iter == 7
 
 
+def test_window_after_overflow_takes_one_more_clean_step():
+    # DeepSpeed's FP16_Optimizer (stage 0): a raise needs scale_window clean steps after the
+    # step following the last overflow, (cur_iter - last_overflow_iter - 1) % window == 0.
+    scaler = DynamicLossScaler(init_scale=16, scale_window=3, window_after_overflow=True)
+    assert _run(scaler, [F, F, F, F, F, F, F]) == [16, 16, 16, 32, 32, 32, 64]
+    assert _run(scaler, [T, F, F, F, F]) == [32, 32, 32, 32, 64]
+    assert _run(scaler, [T, T, F]) == [32, 16, 16]
+
+
 def test_scale_factor():
     scaler = DynamicLossScaler(init_scale=81, scale_factor=3, scale_window=2)
     assert _run(scaler, [T, T, F, F]) == [27, 9, 9, 27]

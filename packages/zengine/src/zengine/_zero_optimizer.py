@@ -188,6 +188,13 @@ class ZeroOptimizer:
         """Steps the dynamic loss scaler has counted (0 without one)."""
         return int(getattr(self.loss_scaler, "cur_iter", 0))
 
+    @property
+    def loss_scale_config(self) -> ZeroOptimizer:
+        """Where DeepSpeed 0.18 and later keep the fp16 scale's state (``cur_scale``,
+        ``cur_iter``, ``scale_window``, ``min_loss_scale``, ``dynamic_loss_scale``): here the
+        optimizer itself, which answers to the same names."""
+        return self
+
     def stepped_tensors(self) -> list[torch.Tensor]:
         """What the torch optimizer steps: flat fp32 masters, or the fp32 shards themselves."""
         return [tensor for tensor, _ in self._stepped]
