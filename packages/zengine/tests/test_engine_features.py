@@ -102,13 +102,14 @@ class TestWithoutOptimizer(DistributedTest):
     """As DeepSpeed's: no optimizer given nor configured makes an engine for forward passes
     (ZeRO-3 inference, Hugging Face's evaluation-only engine)."""
 
-    @pytest.mark.parametrize("world_size", [1, 2])
+    @SIZES
     @pytest.mark.parametrize("stage", [0, 3])
     def test_forward_only(self, world_size: int, stage: int) -> None:
         torch.manual_seed(0)
         model = TinyGPT()
         plain = copy.deepcopy(model)
-        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 16}
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
         engine, optimizer, _, scheduler = zengine.initialize(model=model, config=config)
         assert optimizer is None
         assert scheduler is None
@@ -118,13 +119,19 @@ class TestWithoutOptimizer(DistributedTest):
         tokens = global_batches(1, 2)[0]
         with torch.no_grad():
             torch.testing.assert_close(engine(tokens), plain(tokens))
-        loss = engine(tokens)  # with gradients: the backward is what is refused
+        for _ in range(2):  # recorded, then (on several ranks) following the recorded order
+            loss = engine(tokens)  # with gradients: the backward is what is refused
+            if stage == 3:  # no backward follows: only the persistent parameters stay gathered
+                gathered = {n: p.numel() > 0 for n, p in model.named_parameters()}
+                assert gathered == {n: p.ds_persist for n, p in model.named_parameters()}
+                assert any(gathered.values())
         for call in (lambda: engine.backward(loss), engine.step, engine.get_lr):
             with pytest.raises(RuntimeError, match=r"has no optimizer .* forward passes only"):
                 call()
         assert engine.get_global_grad_norm() is None
         assert engine.skipped_steps == 0
         engine.empty_partition_cache()
+        assert stage == 0 or sum(p.numel() for p in model.parameters()) == 0
         engine.destroy()
 
 

@@ -259,6 +259,10 @@ class Engine(nn.Module):
             args, kwargs = half_floats((args, kwargs))
         with self.progress.timed("forward"):
             output = self.module(*args, **kwargs)
+        if self.optimizer is None and self.partitioned is not None:
+            # No backward follows in an engine without an optimizer: what the forward kept
+            # gathered for one (all of it, on one rank) goes now, as DeepSpeed's trace does.
+            self.partitioned.release_all(persistent=False)
         if not torch.is_grad_enabled():
             self._idle_trim.idle()  # an evaluation: no backward follows
         return output

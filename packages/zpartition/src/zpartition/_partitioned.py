@@ -177,11 +177,12 @@ class Partitioned:
         channel = self._state.channel
         channel.peak_live_numel = channel.live_numel
 
-    def release_all(self) -> None:
-        """Release every gathered parameter, the persistent ones too (DeepSpeed's
-        ``empty_partition_cache``): the next forward or backward gathers what it needs."""
+    def release_all(self, *, persistent: bool = True) -> None:
+        """Release every gathered parameter, the persistent ones too unless `persistent` is
+        False (DeepSpeed's ``empty_partition_cache``): the next forward or backward gathers
+        what it needs."""
         self._state.coordinator.release_all()
-        if self._state.persistent is not None:
+        if persistent and self._state.persistent is not None:
             self._state.persistent.release()
 
     @contextlib.contextmanager
