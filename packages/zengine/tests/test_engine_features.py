@@ -483,3 +483,13 @@ class TestScriptArguments(DistributedTest):
         assert engine.zero_optimization_stage() == 2
         tokens = global_batches(1, 2 * world_size)[0].chunk(world_size)[zcomm.get_rank()]
         assert torch.isfinite(_step(engine, tokens))
+
+
+def test_initialize_without_a_model_names_the_positional_mistake() -> None:
+    """DeepSpeed asserts a model (its first positional parameter is args): the error is a
+    ValueError and an AssertionError, and says where a model passed positionally went."""
+    config = {"train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(ValueError, match=r"model is required$"):
+        zengine.initialize(model=None, config=config)
+    with pytest.raises(AssertionError, match=r"a module \(Linear\) came as the first positional"):
+        zengine.initialize(nn.Linear(2, 2), config=config)

@@ -22,6 +22,7 @@ import zpartition
 from zengine._aio import nvme_offloader
 from zengine._config import EngineConfig, load_config
 from zengine._engine import Engine
+from zengine._errors import MissingArgumentError
 from zengine._layouts import FlatLayout, ShardedLayout
 from zengine._loss_scaler import DynamicLossScaler, StaticLossScaler
 from zengine._lr_schedules import build_scheduler
@@ -61,7 +62,13 @@ def initialize(
     callable taking the optimizer.
     """
     if model is None:
-        raise ValueError("initialize: model is required")
+        hint = ""
+        if isinstance(args, nn.Module):  # initialize(model, ...): the first argument is args
+            hint = (
+                f": a module ({type(args).__name__}) came as the first positional argument, "
+                "which is args; pass it as model=..."
+            )
+        raise MissingArgumentError(f"initialize: model is required{hint}")
     if config is None:
         config = config_params if config_params is not None else _config_from_args(args)
     if dist_init_required is not False:
