@@ -217,6 +217,27 @@ def test_optimizer_params_are_kept_as_given() -> None:
     assert config.optimizer.params == params
 
 
+def test_switches_take_zero_and_one_as_deepspeed_does() -> None:
+    params = {"lr": 1e-3, "torch_adam": 1}
+    written = {
+        "train_batch_size": 1,
+        "zero_allow_untested_optimizer": 1,
+        "wall_clock_breakdown": 0,
+        "optimizer": {"type": "Adam", "params": params},
+        "bf16": {"enabled": 1},
+        "zero_optimization": {"stage": 2, "overlap_comm": 0, "cpu_offload": 1},
+    }
+    config = load_config(written, world_size=1)
+    assert config.zero_allow_untested_optimizer is True
+    assert config.wall_clock_breakdown is False
+    assert config.bf16.enabled is True
+    assert config.zero_optimization.overlap_comm is False
+    assert config.zero_optimization.offload_optimizer.device == "cpu"  # the old switch, on
+    assert config.optimizer is not None
+    assert config.optimizer.params["torch_adam"] is True
+    assert params["torch_adam"] == 1  # the caller's dict is left as written
+
+
 def test_deepspeed_optimizer_options_are_bools() -> None:
     params = {"lr": 1e-3, "torch_adam": 1, "adam_w_mode": "no"}
     assert _problems({"train_batch_size": 1, "optimizer": {"type": "Adam", "params": params}}) == [
@@ -598,7 +619,8 @@ def test_communication_data_type_is_the_reduction_dtype() -> None:
         ({"steps_per_print": 0}, "steps_per_print: must be >= 1, got 0"),
         ({"gradient_clipping": "1.0"}, "gradient_clipping: expected a number, got '1.0'"),
         ({"gradient_clipping": -1.0}, "gradient_clipping: must be >= 0, got -1.0"),
-        ({"wall_clock_breakdown": 1}, "wall_clock_breakdown: expected true or false, got 1"),
+        ({"wall_clock_breakdown": 2}, "wall_clock_breakdown: expected true or false, got 2"),
+        ({"bf16": {"enabled": 1.0}}, "bf16.enabled: expected true or false, got 1.0"),
         ({"fp16": True}, "fp16: expected an object of keys and values, got True"),
         ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected true or false, got 'yes'"),
         ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale: must be >= 0, got -1"),

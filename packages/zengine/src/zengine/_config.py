@@ -26,6 +26,7 @@ from zengine._config_sections import (
     CheckpointConfig,
     DataType,
     DataTypesConfig,
+    Flag,
     FP16Config,
     OptimizerConfig,
     PipelineConfig,
@@ -72,16 +73,16 @@ class _Sections(_Section):
     aio: AioConfig | None = None
     """How NVMe offload reads and writes (DeepSpeed's defaults when the section is there, even
     empty); None: zoffload's own defaults."""
-    wall_clock_breakdown: bool = False
+    wall_clock_breakdown: Flag = False
     """Time forward, backward and step separately."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     communication_data_type: DataType | None = None
     """The dtype gradients are reduced in (``fp32`` sums bf16 or fp16 gradients without
     rounding each partial sum); None: the model's compute dtype."""
-    dataloader_drop_last: bool = False
+    dataloader_drop_last: Flag = False
     """The loader built from ``initialize(training_data=...)`` drops a last, shorter
     micro-batch."""
-    zero_allow_untested_optimizer: bool = False
+    zero_allow_untested_optimizer: Flag = False
     """Accepted for DeepSpeed compatibility: zengine runs any torch optimizer at every stage."""
     host_memory_trim: Literal["idle", "step", "off"] = "idle"
     """On CPU, when the engine hands the heap's freed memory back to the system ([Note:

@@ -153,9 +153,9 @@ def _read_old_switches(out: SetAside) -> None:
         if old not in zero:
             continue
         value, where = zero.pop(old), dotted([_ZERO, old])
-        if value is None or value is False:
+        if value is None or value is False or (type(value) is int and value == 0):
             continue
-        if value is not True:
+        if value is not True and not (type(value) is int and value == 1):
             out.problems.append(f"{where}: expected true or false, got {show(value)}")
         elif zero.get(new) not in (None, {}):
             out.problems.append(

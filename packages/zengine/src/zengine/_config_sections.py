@@ -1,7 +1,8 @@
 """The sections of a DeepSpeed config as frozen pydantic models, with DeepSpeed's keys and defaults.
 
-Every model forbids unknown keys and validates strictly (``true`` is not ``1``), except that
-sizes counted in elements may be written as whole floats (``5e8``, as DeepSpeed's examples do).
+Every model forbids unknown keys and validates strictly (``"true"`` is not ``true``), except that
+sizes counted in elements may be written as whole floats (``5e8``, as DeepSpeed's examples do)
+and switches as ``0`` and ``1`` (as DeepSpeed's own tests write them).
 `zengine._config` puts them together and turns pydantic's errors into readable lines.
 """
 
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointConfig",
     "DataTypesConfig",
     "FP16Config",
+    "Flag",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
@@ -88,6 +90,18 @@ Size = Annotated[int, BeforeValidator(_whole_number), Field(ge=0)]
 """A count of elements or bytes: a non-negative integer, or a whole float such as ``5e8``."""
 
 
+def _zero_or_one(value: object) -> object:
+    # DeepSpeed reads switches by truthiness, and configs write 0 and 1 for them
+    # ("zero_allow_untested_optimizer": 1 in its own tests); other numbers stay errors.
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    return value
+
+
+Flag = Annotated[bool, BeforeValidator(_zero_or_one)]
+"""A switch: ``true`` or ``false``, or ``1`` or ``0``."""
+
+
 def _choose(value: object, choices: Sequence[str], what: str) -> object:
     """The canonical spelling of ``value`` among ``choices``, matched case-insensitively."""
     if isinstance(value, enum.Enum):
@@ -130,7 +144,9 @@ class OptimizerConfig(_Section):
     @field_validator("params")
     @classmethod
     def _deepspeed_options_are_bools(cls, params: dict[str, Any]) -> dict[str, Any]:
+        params = dict(params)  # the caller's dict stays as written
         for key in sorted(_DEEPSPEED_OPTIMIZER_OPTIONS & params.keys()):
+            params[key] = _zero_or_one(params[key])
             if not isinstance(params[key], bool):
                 raise config_error(f"expected true or false, got {show(params[key])}", key=key)
         return params
@@ -153,8 +169,8 @@ class SchedulerConfig(_Section):
 class FP16Config(_Section):
     """``fp16``: float16 mixed precision with a static or dynamic loss scale."""
 
-    enabled: bool = False
-    auto_cast: bool = False
+    enabled: Flag = False
+    auto_cast: Flag = False
     """Cast the floating-point tensors among the forward's inputs to float16 (the first
     stage's, in a pipeline)."""
     loss_scale: float = Field(default=0.0, ge=0, allow_inf_nan=False)
@@ -165,7 +181,7 @@ class FP16Config(_Section):
     """Steps without overflow before the dynamic scale doubles."""
     hysteresis: int = Field(default=2, ge=1)
     """Overflows tolerated before the dynamic scale halves."""
-    consecutive_hysteresis: bool = False
+    consecutive_hysteresis: Flag = False
     """Refill the hysteresis after every step without overflow."""
     min_loss_scale: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     """The dynamic scale never drops below this."""
@@ -194,8 +210,8 @@ class DataTypesConfig(_Section):
 class BF16Config(_Section):
     """``bf16`` (DeepSpeed's older name: ``bfloat16``): bfloat16 mixed precision."""
 
-    enabled: bool = False
-    check_grad_overflow: bool = True
+    enabled: Flag = False
+    check_grad_overflow: Flag = True
     """DeepSpeed's switch for skipping a step whose gradients hold an inf or NaN; zengine
     checks them always (``nonfinite_gradients`` says what then), so ``false`` warns."""
 
@@ -205,7 +221,7 @@ class _OffloadConfig(_Section):
     """Where to offload: ``none``, ``cpu`` or ``nvme``."""
     nvme_path: Path | None = Field(default=None, strict=False)
     """The folder for NVMe offload files; required when ``device`` is ``nvme``."""
-    pin_memory: bool = False
+    pin_memory: Flag = False
     """Offload to page-locked host memory."""
 
     @field_validator("device", mode="before")
@@ -240,12 +256,12 @@ class OffloadOptimizerConfig(_OffloadConfig):
     buffer_count: int = Field(default=4, ge=0)
     """Accepted for DeepSpeed compatibility (DeepSpeed's NVMe swap buffers): zoffload sizes
     its buffers to what it moves."""
-    fast_init: bool = False
+    fast_init: Flag = False
     """Accepted for DeepSpeed compatibility (no effect)."""
-    pipeline_read: bool = False
+    pipeline_read: Flag = False
     """Accepted for DeepSpeed compatibility: the next tile is always read during the step on
     this one (and the first during the backward before it)."""
-    pipeline_write: bool = False
+    pipeline_write: Flag = False
     """Accepted for DeepSpeed compatibility: the previous tile is always written during the
     step on this one."""
 
@@ -268,11 +284,11 @@ class AioConfig(_Section):
         default=1, ge=1, validation_alias=AliasChoices("thread_count", "intra_op_parallelism")
     )
     """I/O threads (DeepSpeed's newer name: ``intra_op_parallelism``)."""
-    single_submit: bool = False
+    single_submit: Flag = False
     """libaio: submit requests one at a time (no effect here)."""
-    overlap_events: bool = True
+    overlap_events: Flag = True
     """libaio: overlap submitting and completing requests (no effect here)."""
-    use_gds: bool = False
+    use_gds: Flag = False
     """GPUDirect Storage: not available in zoffload; a warning says it is not used."""
 
     @property
@@ -304,24 +320,24 @@ class ZeroConfig(_Section):
 
     stage: Annotated[int, AfterValidator(_check_stage)] = 0
     """0: plain data parallel; 1: optimizer state, 2: and gradients, 3: and parameters."""
-    overlap_comm: bool = False
+    overlap_comm: Flag = False
     """Overlap gradient reduction with backward; defaults to true for stage 3 only."""
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
+    contiguous_gradients: Flag = True
+    reduce_scatter: Flag = True
     """Accepted for DeepSpeed compatibility: stages 2 and 3 always reduce-scatter."""
     reduce_bucket_size: Size = 500_000_000
     allgather_bucket_size: Size = 500_000_000
     """Accepted for DeepSpeed compatibility (stages 1 and 2 gather the updated partitions in
     one collective per group)."""
-    allgather_partitions: bool = True
+    allgather_partitions: Flag = True
     """Accepted for DeepSpeed compatibility."""
-    round_robin_gradients: bool = False
+    round_robin_gradients: Flag = False
     """Accepted for DeepSpeed compatibility."""
-    ignore_unused_parameters: bool = True
+    ignore_unused_parameters: Flag = True
     """False: a step whose accumulation left a trainable parameter without a gradient (on any
     rank) raises, naming it, at every stage (DeepSpeed checks at stages 1-2 with CPU offload);
     a pipeline engine does not check."""
-    load_from_fp32_weights: bool = True
+    load_from_fp32_weights: Flag = True
     """Accepted for DeepSpeed compatibility."""
     sub_group_size: Size = 1_000_000_000
     """Stage 3: shard elements the optimizer steps at a time (whole modules), so that NVMe
@@ -333,7 +349,7 @@ class ZeroConfig(_Section):
     stage3_max_live_parameters: Size = _stage3(1_000_000_000, "max_live_parameters")
     stage3_max_reuse_distance: Size = _stage3(1_000_000_000, "max_reuse_distance")
     stage3_module_granularity_threshold: Size = _stage3(0, "module_granularity_threshold")
-    stage3_gather_16bit_weights_on_model_save: bool = _stage3(
+    stage3_gather_16bit_weights_on_model_save: Flag = _stage3(
         False,
         "gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save",  # DeepSpeed's older name
@@ -367,13 +383,13 @@ class PipelineConfig(_Section):
     """Pipeline stages; ``auto``: the PipelineModule's. A number must equal the module's."""
     partition: str = "best"
     """Accepted for DeepSpeed compatibility; the PipelineModule's ``partition_method`` rules."""
-    seed_layers: bool = False
+    seed_layers: Flag = False
     """Accepted for DeepSpeed compatibility; the PipelineModule's ``seed_layers`` rules."""
     activation_checkpoint_interval: int = Field(default=0, ge=0)
     """Checkpoint every this many layers; 0 keeps the PipelineModule's own interval."""
-    pipe_partitioned: bool = True
+    pipe_partitioned: Flag = True
     """Accepted for DeepSpeed compatibility (tensor slicing of activations)."""
-    grad_partitioned: bool = True
+    grad_partitioned: Flag = True
     """Accepted for DeepSpeed compatibility (tensor slicing of gradients)."""
     schedule: Literal["1f1b", "gpipe", "interleaved", "zero_bubble"] = "1f1b"
     """The zpipe schedule of ``train_batch``: 1F1B (DeepSpeed's), GPipe, interleaved 1F1B or
@@ -402,7 +418,7 @@ class PipelineConfig(_Section):
 class ParallelWriteConfig(_Section):
     """``checkpoint.parallel_write``."""
 
-    pipeline_stage: bool = False
+    pipeline_stage: Flag = False
     """Each pipeline stage writes its own part of the checkpoint."""
 
 
@@ -411,9 +427,9 @@ class CheckpointConfig(_Section):
 
     tag_validation: Literal["IGNORE", "WARN", "FAIL"] = "WARN"
     """What to do when ranks save under different tags (matched case-insensitively)."""
-    load_universal: bool = False
+    load_universal: Flag = False
     """Load a universal (topology-independent) checkpoint."""
-    use_node_local_storage: bool = False
+    use_node_local_storage: Flag = False
     """Each node saves to its own local storage."""
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
