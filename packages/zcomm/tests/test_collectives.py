@@ -72,6 +72,17 @@ class TestCollectives(DistributedTest):
             zcomm.reduce(t, world_size)  # no such rank
 
     @SIZES
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_inference_all_reduce(self, world_size: int, dtype: torch.dtype) -> None:
+        """DeepSpeed's inference_all_reduce: in place, done on return, op positional."""
+        t = (torch.ones(3) * (zcomm.get_rank() + 1)).to(dtype)
+        assert zcomm.inference_all_reduce(t) is None
+        assert torch.equal(t, torch.full((3,), world_size * (world_size + 1) / 2, dtype=dtype))
+        t = torch.full((2,), float(zcomm.get_rank()), dtype=dtype)
+        zcomm.inference_all_reduce(t, zcomm.ReduceOp.MAX)
+        assert torch.equal(t, torch.full((2,), world_size - 1.0, dtype=dtype))
+
+    @SIZES
     @pytest.mark.parametrize("async_op", [False, True])
     def test_all_gather_into_tensor(self, world_size: int, async_op: bool) -> None:
         mine = _rank_tensor(3, zcomm.get_rank())

@@ -21,6 +21,7 @@ __all__ = [
     "ReduceOp",
     "all_gather_into_tensor",
     "all_reduce",
+    "inference_all_reduce",
     "barrier",
     "broadcast",
     "gather_flat",
@@ -83,6 +84,17 @@ def all_reduce(
         nbytes=_nbytes(tensor),
         finish=finish,
     )
+
+
+def inference_all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """DeepSpeed's all-reduce for inference (``op`` positional, as there): `tensor` reduced in
+    place across `group` before it returns. DeepSpeed's CPU shared-memory kernel for it is not
+    here: this is `all_reduce`, waited on."""
+    all_reduce(tensor, op=op, group=group).wait()
 
 
 def reduce(
