@@ -48,6 +48,44 @@ class TestFromLauncherEnvironment(DistributedTest):
             zcomm.init_distributed()
 
 
+class TestMpiDiscovery(DistributedTest):
+    """DeepSpeed's auto_mpi_discovery: under mpirun, rank and world size come from the MPI
+    launcher's variables (the harness's torchrun variables are turned into Open MPI's or
+    MPICH's here)."""
+
+    init_distributed = False
+
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    @pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+    def test_reads_the_mpi_launchers_variables(self, world_size: int, launcher: str) -> None:
+        rank = int(os.environ.pop("RANK"))
+        size = os.environ.pop("WORLD_SIZE")
+        port = os.environ.pop("MASTER_PORT")
+        del os.environ["LOCAL_RANK"]
+        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+        if launcher == "mpich":
+            names = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
+        os.environ.update(zip(names, (str(rank), size, str(rank)), strict=True))
+        if world_size > 1:  # without discovery there is nothing to meet the others by
+            with pytest.raises(ValueError, match="no launcher environment"):
+                zcomm.init_distributed(auto_mpi_discovery=False, rank=rank, world_size=world_size)
+        zcomm.init_distributed(distributed_port=int(port), rank=-1, world_size=-1)
+        assert (zcomm.get_rank(), zcomm.get_world_size()) == (rank, world_size)
+        assert zcomm.get_local_rank() == rank
+        t = torch.ones(1)
+        zcomm.all_reduce(t)
+        assert t.item() == world_size
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_several_ranks_need_master_addr(self, world_size: int) -> None:
+        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+            del os.environ[name]
+        os.environ.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2")
+        with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE=2\\) without MASTER_ADDR"):
+            zcomm.init_distributed()
+        assert not zcomm.is_initialized()
+
+
 class TestEmbeddedWorldOfOne(DistributedTest):
     world_size = 1
     init_distributed = False
@@ -80,5 +118,6 @@ class TestEmbeddedWorldOfOne(DistributedTest):
             zcomm.init_distributed(init_method="tcp://127.0.0.1:1", rank=2, world_size=2)
         with pytest.raises(ValueError, match="no launcher environment"):
             zcomm.init_distributed(rank=0, world_size=2)
-        zcomm.init_distributed(dist_init_required=False)
+        with pytest.raises(RuntimeError, match=r"dist_init_required=False\): torch.distributed is not"):
+            zcomm.init_distributed(dist_init_required=False)  # DeepSpeed asserts it
         assert not zcomm.is_initialized()

@@ -107,6 +107,37 @@ def _torchrun_env() -> tuple[int, int] | None:
     return rank, world_size
 
 
+# (rank, world size, local rank) variables of MPI launchers: Open MPI's, then MPICH / Intel MPI's
+_MPI_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
+
+
+def _mpi_env(port: int) -> bool:
+    """Under ``mpirun`` without torchrun's variables, set them from the MPI launcher's (as
+    DeepSpeed's ``auto_mpi_discovery``); whether an MPI launch was found."""
+    for rank_var, size_var, local_var in _MPI_VARS:
+        if rank_var in os.environ and size_var in os.environ:
+            break
+    else:
+        return False
+    rank, world_size = _env_int(rank_var), _env_int(size_var)
+    _check_rank(rank, world_size, f"environment {rank_var}/{size_var}")
+    if world_size > 1 and "MASTER_ADDR" not in os.environ:
+        # DeepSpeed asks rank 0 for its address over mpi4py, which zcomm does not depend on.
+        raise ValueError(
+            f"init_distributed: an MPI launch ({rank_var}={rank}, {size_var}={world_size}) "
+            "without MASTER_ADDR: set it to the first rank's host (mpirun -x MASTER_ADDR=...), "
+            "or launch with torchrun"
+        )
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    os.environ["LOCAL_RANK"] = os.environ.get(local_var, "0")
+    return True
+
+
 def init_distributed(
     backend: str | None = None,
     *,
@@ -116,6 +147,10 @@ def init_distributed(
     world_size: int | None = None,
     dist_backend: str | None = None,
     dist_init_required: bool | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    config: object = None,
 ) -> None:
     """Start torch.distributed for this process; harmless when it is already started.
 
@@ -126,9 +161,18 @@ def init_distributed(
         init_method: a torch rendezvous URL (``tcp://host:port``, ``file://path``); needs
             `rank` and `world_size`. Without it the torchrun environment is read, and with no
             environment at all a world of one starts in this process.
-        rank, world_size: this process's rank and the number of processes, with `init_method`.
-        dist_init_required: DeepSpeed's flag: ``False`` means do nothing.
+        rank, world_size: this process's rank and the number of processes, with `init_method`
+            (DeepSpeed's -1 means not given).
+        dist_init_required: DeepSpeed's flag: ``False`` means the caller started
+            torch.distributed already; if it did not, that is an error.
+        auto_mpi_discovery: under ``mpirun`` (Open MPI, MPICH, Intel MPI) with no torchrun
+            variables, read rank and world size from the MPI launcher's; MASTER_ADDR must be
+            set when there are several ranks.
+        distributed_port: the MASTER_PORT an MPI launch uses when none is set (DeepSpeed's).
+        verbose, config: DeepSpeed's; nothing here depends on them.
     """
+    rank = None if rank == -1 else rank
+    world_size = None if world_size == -1 else world_size
     chosen = _resolve_backend(backend, dist_backend)
     if dist.is_initialized():
         current = str(dist.get_backend())
@@ -139,7 +183,11 @@ def init_distributed(
             )
         return
     if dist_init_required is False:
-        return
+        raise RuntimeError(
+            "init_distributed(dist_init_required=False): torch.distributed is not initialized; "
+            "start it first (torch.distributed.init_process_group), or leave "
+            "dist_init_required out to let zcomm start it"
+        )
     wait = _resolve_timeout(timeout)
     chosen = chosen or get_accelerator().communication_backend_name()
     if init_method is not None:
@@ -153,6 +201,8 @@ def init_distributed(
     if (rank is None) != (world_size is None):
         raise ValueError("init_distributed: pass rank and world_size together")
     env = _torchrun_env()
+    if env is None and auto_mpi_discovery and rank is None and _mpi_env(distributed_port):
+        env = _torchrun_env()
     if rank is not None and world_size is not None:
         _check_rank(rank, world_size, "init_distributed(rank=..., world_size=...)")
         if env is None and world_size > 1:

@@ -71,8 +71,7 @@ def initialize(
         raise MissingArgumentError(f"initialize: model is required{hint}")
     if config is None:
         config = config_params if config_params is not None else _config_from_args(args)
-    if dist_init_required is not False:
-        zcomm.init_distributed()
+    zcomm.init_distributed(dist_init_required=dist_init_required)
     from zengine.pipe import PipelineModule, initialize_pipeline  # the sub-package builds on this
 
     if isinstance(model, PipelineModule):
