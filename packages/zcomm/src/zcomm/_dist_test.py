@@ -16,13 +16,17 @@ import pickle
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 
 from zcomm._pool import RankResult, _Worker, free_port, pool
 
-__all__ = ["DistributedTest"]
+# Under pytest, pytest is imported before any test module; elsewhere (a benchmark, a lean
+# import) the harness neither needs nor imports it.
+pytest: Any = sys.modules.get("pytest")
+
+__all__ = ["DistributedFixture", "DistributedTest", "fixture_class"]
 
 _DEFAULT_TIMEOUT = float(os.environ.get("ZCOMM_TEST_TIMEOUT", "300"))
 _GROUP_TIMEOUT = 120.0  # seconds: a test's connection and each of its collectives
@@ -62,7 +66,19 @@ def _default_backend(world_size: int) -> str:
     return "gloo"
 
 
-class DistributedTest:
+class _DistributedExec:
+    """What runs on several ranks, and how (the attributes of `DistributedTest`)."""
+
+    world_size: int | Sequence[int] = 2
+    init_distributed: bool = True
+    set_dist_env: bool = True
+    reuse_dist_env: bool = False
+    backend: str | None = None
+    exec_timeout: float = _DEFAULT_TIMEOUT
+    failure_grace: float = 10.0
+
+
+class DistributedTest(_DistributedExec):
     """Base class of tests whose methods run in several processes at once.
 
     Class attributes (DeepSpeed's names):
@@ -76,21 +92,84 @@ class DistributedTest:
         exec_timeout: seconds before a test that has not finished is killed (default 300,
             or ``ZCOMM_TEST_TIMEOUT``); the failure names the test and the stuck ranks.
         failure_grace: seconds the other ranks get to finish once one rank has failed.
-    """
 
-    world_size: int | Sequence[int] = 2
-    init_distributed: bool = True
-    set_dist_env: bool = True
-    reuse_dist_env: bool = False
-    backend: str | None = None
-    exec_timeout: float = _DEFAULT_TIMEOUT
-    failure_grace: float = 10.0
+    The class-scoped fixture ``class_tmpdir`` (DeepSpeed's) is a directory the tests of one
+    class, and the `DistributedFixture` they use, share.
+    """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for name, value in list(vars(cls).items()):
             if name.startswith("test") and inspect.isfunction(value):
                 setattr(cls, name, _distributed(value))
+
+    if pytest is not None:
+
+        @pytest.fixture(scope="class")
+        @classmethod
+        def class_tmpdir(cls, tmpdir_factory: Any) -> Any:
+            """A directory shared by the tests of this class (a ``py.path``, as DeepSpeed's)."""
+            return tmpdir_factory.mktemp(cls.__name__)
+
+
+_FIXTURES: dict[tuple[str, str], type[DistributedFixture]] = {}
+
+
+def fixture_class(module: str, qualname: str) -> type[DistributedFixture] | None:
+    """The `DistributedFixture` subclass defined as `qualname` in `module`, if one is."""
+    return _FIXTURES.get((module, qualname))
+
+
+class _FixtureMaker(type):
+    """Makes each subclass of `DistributedFixture` a pytest fixture of the class's name."""
+
+    def __new__(
+        mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kwargs: Any
+    ) -> Any:
+        cls = super().__new__(mcs, name, bases, namespace, **kwargs)
+        if not any(isinstance(base, _FixtureMaker) for base in bases):
+            return cls  # DistributedFixture itself
+        return _as_fixture(cast("type[DistributedFixture]", cls))
+
+
+class DistributedFixture(_DistributedExec, metaclass=_FixtureMaker):
+    """A pytest fixture whose ``run`` method runs on `world_size` ranks (DeepSpeed's).
+
+    ``class saved_checkpoint(DistributedFixture)`` with ``world_size = 2`` and
+    ``def run(self, class_tmpdir, ...)`` defines the fixture ``saved_checkpoint``: a test
+    that asks for it gets it run first, on its own ranks, with the fixtures ``run`` asks for
+    (parametrized ones make the test parametrized), so work of one world size (writing a
+    checkpoint) can be checked at another. The class statement binds the fixture, not the
+    class; `world_size` is one int; the other attributes are `DistributedTest`'s.
+    """
+
+
+def _as_fixture(cls: type[DistributedFixture]) -> Any:
+    import pytest
+
+    where = f"{cls.__qualname__} (a DistributedFixture)"
+    if isinstance(cls.world_size, bool) or not isinstance(cls.world_size, int):
+        raise TypeError(f"{where}: world_size must be one int, got {cls.world_size!r}")
+    _world_sizes(cls.world_size, where)
+    run = getattr(cls, "run", None)
+    if not inspect.isfunction(run):
+        raise TypeError(f"{where}: define run(self, <the fixtures it needs>)")
+    wanted = list(inspect.signature(run).parameters.values())[1:]  # after self
+    if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in wanted):
+        raise TypeError(f"{where}: run() takes fixtures by name only, not *args or **kwargs")
+    module, _ = _locate(cls)
+    _FIXTURES[(module, cls.__qualname__)] = cls
+
+    def run_on_ranks(**fixtures: Any) -> None:
+        _run(cls, "run", fixtures, cast(int, cls.world_size))
+
+    run_on_ranks.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [p.replace(kind=p.POSITIONAL_OR_KEYWORD, default=p.empty) for p in wanted]
+    )
+    run_on_ranks.__name__ = run_on_ranks.__qualname__ = cls.__name__
+    run_on_ranks.__module__ = cls.__module__
+    run_on_ranks.__doc__ = cls.__doc__
+    return pytest.fixture(name=cls.__name__)(run_on_ranks)
 
 
 def _distributed(fn: Callable[..., Any]) -> Callable[..., None]:
@@ -119,7 +198,8 @@ def _marked_world_size(fn: Callable[..., Any]) -> Any:
 
 def _locate(cls: type) -> tuple[str, str]:
     if "<locals>" in cls.__qualname__:
-        raise TypeError(f"{cls.__qualname__}: a DistributedTest must be defined at module level")
+        kind = "DistributedFixture" if isinstance(cls, _FixtureMaker) else "DistributedTest"
+        raise TypeError(f"{cls.__qualname__}: a {kind} must be defined at module level")
     module = sys.modules.get(cls.__module__)
     path = getattr(module, "__file__", None)
     if path is None:
@@ -139,7 +219,7 @@ def _pickled(where: str, kwargs: dict[str, Any]) -> bytes:
     return pickle.dumps(kwargs)
 
 
-def _run(cls: type[DistributedTest], method: str, kwargs: dict[str, Any], world_size: int) -> None:
+def _run(cls: type[_DistributedExec], method: str, kwargs: dict[str, Any], world_size: int) -> None:
     where = f"{cls.__qualname__}::{method} (world_size={world_size})"
     module, path = _locate(cls)
     the_pool = pool()
@@ -185,7 +265,7 @@ def _could_not_connect(result: RankResult) -> bool:
 
 
 def _attempt(
-    cls: type[DistributedTest], test: dict[str, Any], workers: list[_Worker]
+    cls: type[_DistributedExec], test: dict[str, Any], workers: list[_Worker]
 ) -> list[RankResult]:
     """Run the test once on `workers`, with a fresh rendezvous."""
     the_pool = pool()

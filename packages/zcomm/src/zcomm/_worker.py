@@ -26,6 +26,7 @@ import torch
 
 import zcomm
 from zcomm import _accounting
+from zcomm._dist_test import fixture_class
 
 __all__ = ["main"]
 
@@ -68,6 +69,9 @@ def _load_module(name: str, path: str) -> ModuleType:
 
 
 def _resolve(module: ModuleType, qualname: str) -> Any:
+    fixture = fixture_class(module.__name__, qualname)
+    if fixture is not None:  # its name in the module is bound to the pytest fixture
+        return fixture
     target: Any = module
     for part in qualname.split("."):
         target = getattr(target, part)

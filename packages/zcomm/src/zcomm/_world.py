@@ -117,11 +117,10 @@ _MPI_VARS = (
 def _mpi_env(port: int) -> bool:
     """Under ``mpirun`` without torchrun's variables, set them from the MPI launcher's (as
     DeepSpeed's ``auto_mpi_discovery``); whether an MPI launch was found."""
-    for rank_var, size_var, local_var in _MPI_VARS:
-        if rank_var in os.environ and size_var in os.environ:
-            break
-    else:
+    found = [names for names in _MPI_VARS if names[0] in os.environ and names[1] in os.environ]
+    if not found:
         return False
+    rank_var, size_var, local_var = found[0]
     rank, world_size = _env_int(rank_var), _env_int(size_var)
     _check_rank(rank, world_size, f"environment {rank_var}/{size_var}")
     if world_size > 1 and "MASTER_ADDR" not in os.environ:

@@ -1,17 +1,30 @@
-"""The distributed test harness: `DistributedTest`, `preferred_dtype` and `setup_serial_env`
-(DeepSpeed's names)."""
+"""The distributed test harness: `DistributedTest`, `DistributedFixture`, `get_master_port`,
+`preferred_dtype` and `setup_serial_env` (DeepSpeed's names)."""
 
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 
 from zcomm._accelerator import get_accelerator
-from zcomm._dist_test import DistributedTest
+from zcomm._dist_test import DistributedFixture, DistributedTest
+from zcomm._pool import free_port
 
-__all__ = ["DistributedTest", "preferred_dtype", "setup_serial_env"]
+__all__ = [
+    "DistributedFixture",
+    "DistributedTest",
+    "get_master_port",
+    "preferred_dtype",
+    "setup_serial_env",
+]
+
+
+def get_master_port(base_port: int = 29500, port_range_size: int = 1000) -> str:
+    """A TCP port free now, for a rendezvous a test starts itself (DeepSpeed's helper; its
+    range arguments are taken and not needed: the system picks a free port)."""
+    del base_port, port_range_size
+    return str(free_port())
 
 
 def preferred_dtype() -> torch.dtype:
@@ -27,9 +40,10 @@ def preferred_dtype() -> torch.dtype:
 def setup_serial_env() -> None:
     """The environment of a world of one (DeepSpeed's test helper): rank 0 of 1, a free port.
     Inside a `DistributedTest` the world is already up, and this changes nothing that matters."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=get_master_port(),
+        LOCAL_RANK="0",
+        RANK="0",
+        WORLD_SIZE="1",
     )
