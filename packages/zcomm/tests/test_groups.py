@@ -36,6 +36,15 @@ class TestGroups(DistributedTest):
             zcomm.all_reduce(t, group=group)
             assert t.item() == sum(evens)
             assert zcomm.get_world_size(group) == len(evens)
+        else:  # outside the group a call is a mistake that names the rank, not a no-op
+            t = torch.zeros(2)
+            for call in (
+                lambda: zcomm.all_reduce(t, group=group),
+                lambda: zcomm.irecv(t, 0, group=group),
+                lambda: zcomm.barrier(group=group),
+            ):
+                with pytest.raises(ValueError, match=f"rank {rank} is not in this group"):
+                    call()
 
     @SIZES
     def test_axis_groups_reduce_along_their_axis(self, world_size: int) -> None:

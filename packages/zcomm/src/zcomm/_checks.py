@@ -28,7 +28,15 @@ def check_same_kind(
 
 
 def check_group(op: str, group: Any) -> dist.ProcessGroup | None:
-    """`group` as a process group (None means the world), or a TypeError."""
+    """`group` as a process group (None means the world), or an error naming the problem."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        # torch warns and does nothing here; a rank calling into a group it is not in is
+        # taken for a mistake (a guard on the rank missing), not skipped in silence
+        raise ValueError(
+            f"{op}(group=...): rank {dist.get_rank()} is not in this group (new_group gave "
+            "the ranks outside it torch's NON_GROUP_MEMBER placeholder); call it on the "
+            "group's ranks only"
+        )
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"{op}(group=...): expected a ProcessGroup or None, got {type(group).__name__}"
