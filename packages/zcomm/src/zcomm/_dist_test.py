@@ -105,7 +105,7 @@ class DistributedTest(_DistributedExec):
 
     if pytest is not None:
 
-        @pytest.fixture(scope="class")
+        @pytest.fixture(scope="class")  # type: ignore[untyped-decorator]  # pytest: Any here
         @classmethod
         def class_tmpdir(cls, tmpdir_factory: Any) -> Any:
             """A directory shared by the tests of this class (a ``py.path``, as DeepSpeed's)."""
