@@ -242,6 +242,39 @@ class TestFp16(DistributedTest):
                 engine.step()
 
 
+class TestZeroGradBetweenMicroBatches(DistributedTest):
+    @SIZES
+    @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+    def test_zero_grad_drops_what_the_accumulation_summed(
+        self, world_size: int, stage: int
+    ) -> None:
+        """As DeepSpeed's: a micro-batch whose gradients ``zero_grad`` dropped leaves the step
+        as if it had not run (stages 0 and 1 kept summing it into the next step; stage 0 in
+        bf16 accumulates in fp32 buffers, the other path)."""
+        batches = global_batches(2, 2 * world_size)
+        mine = [b.chunk(world_size)[zcomm.get_rank()] for b in batches]
+
+        def params_after(discard: bool) -> list[torch.Tensor]:
+            torch.manual_seed(0)
+            model = TinyGPT()
+            config = _config(stage, gradient_accumulation_steps=2, bf16={"enabled": stage == 0})
+            engine, *_ = zengine.initialize(model=model, config=config)
+            if discard:
+                engine.backward(engine(mine[0]))
+                engine.step()
+                engine.zero_grad()
+            else:
+                engine.step()  # the micro-batch counted, with no gradients
+            _step(engine, mine[1])
+            assert engine.was_step_applied()
+            full = [zengine.safe_get_full_fp32_param(p) for p in model.parameters()]
+            engine.destroy()
+            return [t for t in full if t is not None]
+
+        for dropped, never_ran in zip(params_after(True), params_after(False), strict=True):
+            assert torch.equal(dropped, never_ran)
+
+
 class TestUserOptimizerAndScheduler(DistributedTest):
     @pytest.mark.parametrize("world_size", [1, 2])
     def test_optimizer_instance_and_scheduler(self, world_size: int) -> None:

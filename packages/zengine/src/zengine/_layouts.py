@@ -133,6 +133,7 @@ class FlatLayout:
         )
         # id(param) -> (group, offset in the group's flat buffers)
         self._offset_of = {id(p): (g, off) for g, pairs in enumerate(offsets) for p, off in pairs}
+        self._accumulated = False  # the gradient buffers hold sums no reduction has taken yet
 
     def _pack(
         self, params: list[nn.Parameter], device: torch.device
@@ -192,6 +193,7 @@ class FlatLayout:
 
     def after_backward(self, boundary: bool) -> None:
         """The buckets not reduced yet, and every bucket's part into the partitions."""
+        self._accumulated = self.stage < 2 and not boundary
         if self.low_grad_flats and not boundary:
             self.buckets.fold()
             self._drop_grads()  # they read zeros now, as at the boundary
@@ -203,6 +205,15 @@ class FlatLayout:
                 # would be zeros and a write would leak into the next step, so there is none,
                 # as DeepSpeed's ZeRO optimizers leave it
                 self._drop_grads()
+
+    def discard_accumulated(self) -> None:
+        """Drop the gradients backward passes before the boundary summed (``zero_grad``
+        between micro-batches, as DeepSpeed's drops them); nothing when there are none."""
+        if not self._accumulated:
+            return  # after a step the reduction zeroed the buffers already
+        for flat in [*self.grad_flats, *self.low_grad_flats]:
+            flat.zero_()
+        self._accumulated = False
 
     def fold(self) -> None:
         """A pipeline's micro-batch has its weight gradients: add them into the wide
@@ -361,6 +372,9 @@ class ShardedLayout:
 
     def after_backward(self, boundary: bool) -> None:
         pass  # zpartition reduced the gradients during backward
+
+    def discard_accumulated(self) -> None:
+        pass  # every backward reduced into the partitions, which zero_grad zeroes
 
     def tiles(self) -> list[list[nn.Parameter]] | None:
         """The step's tiles ([Note: tiled steps]); None for a single one."""
