@@ -423,6 +423,35 @@ class TestCoordinator(DistributedTest):
         assert len(handle.coordinator._traces) == 2
 
     @SIZES
+    def test_a_model_run_twice_before_one_backward_keeps_its_plan(self, world_size: int) -> None:
+        """Siamese steps (a policy run on chosen, then rejected): each forward is a pass of
+        a kind of its own, the second one's trace holding the backward of both, so no step
+        drops its plan (every one did, its backward running without prefetch)."""
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        rank, world = zcomm.get_rank(), zcomm.get_world_size()
+        opt = torch.optim.SGD(handle.shard_parameters(), lr=LR)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+        for first, second in zip(batches(4, 4), batches(4, 4, seed=2), strict=True):
+            loss = (model(first.chunk(world)[rank]) + model(second.chunk(world)[rank])) / 2
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            zcomm.all_reduce(mean, op=zcomm.ReduceOp.AVG)
+            expected = (reference(first) + reference(second)) / 2
+            expected.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert mean.item() == pytest.approx(expected.item(), rel=1e-5)
+        assert handle.coordinator.invalidations == 0
+        if world_size > 1:  # one rank keeps no trace: gathers cost nothing to wait for
+            kinds = sorted(handle.coordinator._traces, key=str)
+            assert kinds == [(True, True, 0), (True, True, 1)]
+
+    @SIZES
     def test_a_new_order_warns_once_and_keeps_working(self, world_size: int) -> None:
         torch.manual_seed(0)
         model = TinyGPT()

@@ -6,8 +6,11 @@ The first pass of a kind records the order units were fetched in; from the next 
 kind on, the record is the *plan*: while the current module computes, the units due next are
 gathered ahead (up to ``prefetch_bucket_size`` elements, never past ``max_live_parameters``),
 and a released unit is kept when the plan uses it again within ``max_reuse_distance`` elements.
-Traces are kept per kind (training or eval, grad or no grad), so an eval pass between training
-steps does not throw the training trace away, as DeepSpeed's single trace does. When modules run
+Traces are kept per kind (training or eval, grad or no grad, and how many root forwards with
+grad ran since the last backward), so an eval pass between training steps does not throw the
+training trace away, as DeepSpeed's single trace does, and a model run twice before one
+backward (siamese losses, a policy on chosen then rejected) keeps two plans, the second
+holding the backward of both, where one trace would be dropped at every backward. When modules run
 in another order than the plan says, the plan is dropped with one warning and the pass goes on
 without prefetching; the next pass records again. Ranks never act on the plan without agreeing
 first: every gather is announced through the channel (see [Note: agreement]).

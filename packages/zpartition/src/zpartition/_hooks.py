@@ -39,6 +39,10 @@ from zpartition._unit import Unit, _GradGroup
 
 __all__ = ["ModuleInfo", "State"]
 
+_MAX_PENDING = 4
+"""Root forwards before one backward that get traces of their own; later ones (a loop of
+forwards with grad and no backward: an evaluation without no_grad) share the last kind."""
+
 _Tensor = torch.Tensor
 _NOT_AVAILABLE = ZeroParamStatus.NOT_AVAILABLE
 
@@ -93,6 +97,10 @@ class State:
         self.stack: list[ModuleInfo] = []  # modules whose forward is running, innermost last
         self.passes = 0  # passes begun; a backward fetches each module once per pass
         self.in_backward = False  # between a backward's first hook and its end callback
+        # root forwards with grad since the last backward ended: the model run twice before
+        # one backward (siamese, a policy on chosen and rejected) is two passes of kinds
+        # of their own, the second one's trace holding the backward of both
+        self.forwards_pending = 0
         self.handles: list[Any] = []  # removable hook handles
         self.units: list[Unit] = []  # every unit with trainable parameters, in order
         self.buckets: dict[torch.dtype, GradBucket] = {}  # gradients waiting, by dtype
@@ -224,7 +232,10 @@ class State:
         if self.stack:
             self.stack.clear()  # a forward that raised left its modules on the stack
         self.passes += 1
-        self.coordinator.begin_pass((module.training, torch.is_grad_enabled()))
+        grad = torch.is_grad_enabled()
+        position = min(self.forwards_pending, _MAX_PENDING) if grad else 0
+        self.forwards_pending += grad
+        self.coordinator.begin_pass((module.training, grad, position))
         if self.persistent is not None:
             self.persistent.refresh()  # the optimizer changed the shards: gather them again
 
@@ -363,6 +374,7 @@ class State:
 
     def _end_backward(self) -> None:
         self.in_backward = False
+        self.forwards_pending = 0
         for unit in self.units:
             if self.late_gradients:
                 keep_local(unit, self.sink)
