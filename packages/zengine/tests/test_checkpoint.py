@@ -240,6 +240,40 @@ class TestResume(DistributedTest):
         assert (tmp_path / "latest").read_text() == "mine0"
 
 
+class TestForwardOnlyEngineLoads(DistributedTest):
+    """A trained model served by an engine without an optimizer (ZeRO-3 inference): its
+    load_checkpoint reads the weights alone, from the masters the training saved."""
+
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    @pytest.mark.parametrize(("saved_at", "served_at"), [(1, 3), (3, 0)])
+    def test_weights_from_a_training_checkpoint(
+        self, world_size: int, saved_at: int, served_at: int, tmp_path: Path
+    ) -> None:
+        trained = engine_for(saved_at)
+        train(trained, global_batches(STEPS, 2 * world_size))
+        trained.save_checkpoint(tmp_path, client_state={"note": "kept"})
+        tokens = global_batches(1, 2)[0]
+        with torch.no_grad():
+            expected = trained(tokens)
+        torch.manual_seed(1)  # other initial weights: all must come from the file
+        model = TinyGPT()
+        zero = {"stage": served_at, "stage3_param_persistence_threshold": 16}
+        served, optimizer, *_ = zengine.initialize(
+            model=model, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
+        )
+        assert optimizer is None
+        with torch.no_grad():
+            served(tokens)  # persistent parameters gathered before the load: gathered again
+        path, client = served.load_checkpoint(tmp_path)  # the defaults, as DeepSpeed users call it
+        assert path == str(tmp_path / f"global_step{STEPS}")
+        assert client == {"note": "kept"}
+        assert served.global_steps == 0  # the weights alone
+        with torch.no_grad():
+            torch.testing.assert_close(served(tokens), expected, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="has no optimizer"):
+            served.save_checkpoint(tmp_path / "again")
+
+
 class _Mpu:
     """DeepSpeed's model-parallel unit, here only to run an engine on some of the ranks."""
 

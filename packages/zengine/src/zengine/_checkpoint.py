@@ -14,7 +14,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
 def _sync(engine: Any) -> Sync:
-    return Sync(engine.optimizer.group, engine.config.checkpoint.timeout)
+    return Sync(engine.group, engine.config.checkpoint.timeout)
 
 
 def _failures(error: CheckpointException) -> str:
@@ -193,13 +193,16 @@ def load_checkpoint(
     ``(None, None)`` when `load_dir` holds no ``latest`` and no tag is given (DeepSpeed's).
     `load_module_strict` False: parameters and buffers only one side has are skipped (the
     model's keep their values); `load_module_only`: the weights alone, not the optimizer, the
-    schedule, the counters or the RNG (both DeepSpeed's). Without `verify` the caller has
+    schedule, the counters or the RNG (both DeepSpeed's). An engine without an optimizer (forward
+    passes only) loads the weights alone, whatever the flags say. Without `verify` the caller has
     checked the files' CRCs already (a pipeline's stages)."""
-    if load_module_only:
+    forward_only = engine.optimizer is None
+    if load_module_only or forward_only:
         load_optimizer_states = False
     sync = _sync(engine)
     sync.arrive("load_checkpoint")
-    engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
+    if not forward_only:
+        engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
     root = Path(load_dir)
     if tag is None and not (root / files.MANIFEST).exists() and files.read_latest(root) is None:
         log.warning("zengine: no '%s' file in %s: no checkpoint loaded", files.LATEST, root)
@@ -223,12 +226,16 @@ def load_checkpoint(
         _verify(sync, directory, manifest)
     log.info("zengine: loading checkpoint %s", directory)
     loaded = _read(engine, sync, directory, manifest, load_optimizer_states)
-    engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
-    engine.optimizer.zero_grad()
+    if forward_only:
+        if engine.partitioned is not None:
+            engine.partitioned.release_all()  # the next forward gathers the loaded shards
+    else:
+        engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
+        engine.optimizer.zero_grad()
     if load_optimizer_states:
         apply_optimizer_objects(engine, loaded)
     src = sync.rank % int(manifest["world_size"])
-    if not load_module_only:
+    if not (load_module_only or forward_only):
         apply_engine_state(engine, loaded[ENGINE], scheduler=load_lr_scheduler_states)
         apply_rng(loaded[rank_key(src, "rng")])
     log.info("zengine: loaded checkpoint %s in %.2f s", directory, time.perf_counter() - start)
@@ -259,7 +266,16 @@ def _read(
         kind, _, name = key.partition("/")
         return kind not in ("master", "model") or name in saved
 
-    return read_entries(engine, sync, directory, optimizer=optimizer, extras=extras, keep=in_both)
+    masters = {n for n, saved in manifest["params"].items() if saved["group"] is not None}
+    return read_entries(
+        engine,
+        sync,
+        directory,
+        optimizer=optimizer,
+        extras=extras,
+        keep=in_both,
+        saved_masters=masters,
+    )
 
 
 def read_entries(
@@ -270,13 +286,15 @@ def read_entries(
     optimizer: bool,
     extras: Iterable[str],
     keep: Callable[[str], bool] | None = None,
+    saved_masters: Collection[str] = (),
 ) -> dict[str, Any]:
     """Read `directory` into this rank's tensors (DCP writes straight into them): every
     entry of the model (and of the optimizer), or those whose key `keep` keeps, and the
-    objects `extras` (DCP replaces their values)."""
+    objects `extras` (DCP replaces their values). `saved_masters`: the parameters the
+    checkpoint has masters of, which an engine without an optimizer reads its weights from."""
     reader = FileSystemReader(directory)
     metadata = reader.read_metadata()
-    entries: dict[str, Any] = dict(model_entries(engine))
+    entries: dict[str, Any] = dict(model_entries(engine, saved_masters=saved_masters))
     if optimizer:  # creates the state the optimizer has not made yet, as the checkpoint has it
         entries.update(optimizer_destinations(engine, metadata))
     dest = entries if keep is None else {k: v for k, v in entries.items() if keep(k)}

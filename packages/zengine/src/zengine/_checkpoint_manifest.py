@@ -26,7 +26,9 @@ log = logging.getLogger("zengine")
 
 
 def _groups(engine: Any) -> dict[int, int]:
-    """id(param) -> index of its optimizer parameter group."""
+    """id(param) -> index of its optimizer parameter group (none without an optimizer)."""
+    if engine.optimizer is None:
+        return {}
     return {id(p): g for g, params in enumerate(engine.optimizer.layout.params) for p in params}
 
 
@@ -51,15 +53,16 @@ def describe(engine: Any, exclude_frozen: bool = False) -> dict[str, Any]:
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         if first.setdefault(id(p), name) != name and first[id(p)] in params:
             shared[name] = first[id(p)]
-    scaler = engine.optimizer.loss_scaler
+    optimizer = engine.optimizer
+    scaler = optimizer.loss_scaler if optimizer is not None else None
     return {
         "format": FORMAT,
         "zengine": __version__,
-        "world_size": dist.get_world_size(engine.optimizer.group),
+        "world_size": dist.get_world_size(engine.group),
         "zero_stage": engine.zero_optimization_stage(),
         "loss_scaler": type(scaler).__name__ if scaler is not None else None,
-        "optimizer": type(engine.optimizer.optimizer).__name__,
-        "param_groups": len(engine.optimizer.param_groups),
+        "optimizer": type(optimizer.optimizer).__name__ if optimizer is not None else None,
+        "param_groups": len(optimizer.param_groups) if optimizer is not None else 0,
         "params": params,
         "buffers": buffers,
         "shared": shared,  # other name -> the name the parameter is saved under

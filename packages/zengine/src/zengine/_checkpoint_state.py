@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import random
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -71,16 +71,21 @@ def _valid(numel: int, param_offset: int, size: int) -> int:
     return max(0, min(numel, size - param_offset))
 
 
-def model_entries(engine: Any, exclude_frozen: bool = False) -> dict[str, Piece]:
+def model_entries(
+    engine: Any, exclude_frozen: bool = False, saved_masters: Collection[str] = ()
+) -> dict[str, Piece]:
     """The masters of trainable parameters, frozen parameters (not with `exclude_frozen`) and
-    buffers, as this rank's pieces (views: written into on load)."""
-    parts = engine.optimizer.partitions
-    rank = dist.get_rank(engine.optimizer.group)
+    buffers, as this rank's pieces (views: written into on load). An engine without an
+    optimizer has no masters: its parameters themselves are the pieces, under the keys of the
+    checkpoint's masters for the names in `saved_masters`."""
+    parts = engine.optimizer.partitions if engine.optimizer is not None else None
+    rank = dist.get_rank(engine.group)
     entries: dict[str, Piece] = {}
     for name, p in engine.module.named_parameters():
         size = full_numel(p)
-        frag = parts.fragments.get(id(p))
-        if frag is not None:
+        frag = parts.fragments.get(id(p)) if parts is not None else None
+        kind = "master" if parts is None and name in saved_masters else "model"
+        if parts is not None and frag is not None:
             master = parts.master_of(p)
             valid = _valid(frag.numel, frag.param_offset, size)
             entries[f"master/{name}"] = Piece(master[:valid], min(frag.param_offset, size), size)
@@ -89,11 +94,11 @@ def model_entries(engine: Any, exclude_frozen: bool = False) -> dict[str, Piece]
         elif hasattr(p, "ds_tensor"):  # a frozen ZeRO-3 parameter: its shard
             shard = p.ds_tensor
             offset = min(rank * shard.numel(), size)
-            entries[f"model/{name}"] = Piece(
+            entries[f"{kind}/{name}"] = Piece(
                 shard[: _valid(shard.numel(), offset, size)], offset, size
             )
         else:  # a frozen parameter at stages 0-2: whole on every rank
-            entries[f"model/{name}"] = Piece(p.data.view(-1), 0, size)
+            entries[f"{kind}/{name}"] = Piece(p.data.view(-1), 0, size)
     for name, buf in persistent_buffers(engine.module):
         entries[f"model/{name}"] = Piece(buf.data.view(-1), 0, buf.numel())
     return entries

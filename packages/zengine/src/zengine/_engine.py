@@ -446,8 +446,8 @@ class Engine(nn.Module):
         """Load ``load_dir/tag`` (default: the one ``latest`` names), saved at any world size;
         ``(path, client_state)``, or ``(None, None)`` when there is none. As DeepSpeed's,
         ``load_module_strict=False`` skips parameters and buffers only one side has, and
-        ``load_module_only=True`` loads the weights alone. Collective."""
-        self._trainer("load_checkpoint()")
+        ``load_module_only=True`` loads the weights alone; so does an engine without an
+        optimizer (forward passes only: a trained model served at ZeRO-3). Collective."""
         return self._checkpoints().load_checkpoint(
             self,
             load_dir,
