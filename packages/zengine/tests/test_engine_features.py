@@ -192,6 +192,7 @@ class TestFp16(DistributedTest):
         assert (optimizer.scale_window, optimizer.min_loss_scale) == (1000, 1.0)
         assert optimizer.cur_iter == 2
         assert optimizer.loss_scale_config.cur_scale == optimizer.cur_scale  # DeepSpeed 0.18's
+        assert engine.sparse_tensor_module_names == set()  # sparse_gradients is refused
         assert engine.fp16_enabled()
         assert torch.equal(torch.cat(optimizer.stepped_tensors()), masters)
         assert torch.isfinite(masters).all()

@@ -94,6 +94,9 @@ class Engine(nn.Module):
         self.global_steps = 0  # optimizer steps taken (or skipped on overflow)
         self.global_samples = 0
         self.micro_steps = 0  # backward passes taken
+        # DeepSpeed's: modules whose gradients are reduced sparse. None here: the config
+        # refuses sparse_gradients, so every gradient is reduced dense.
+        self.sparse_tensor_module_names: set[str] = set()
         self._step_applied = False  # whether the last step() updated the parameters
         self._no_sync = False  # inside no_sync(): backward passes reduce nothing
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word
