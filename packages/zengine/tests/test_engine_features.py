@@ -276,6 +276,70 @@ class TestZeroGradBetweenMicroBatches(DistributedTest):
             assert torch.equal(dropped, never_ran)
 
 
+def _trained(stage: int, world_size: int, run: Any) -> list[torch.Tensor]:
+    """The full fp32 weights after two steps of `run(engine, tokens)` on this rank's share."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine, *_ = zengine.initialize(model=model, config=_config(stage))
+    for batch in global_batches(2, 2 * world_size):
+        run(engine, batch.chunk(world_size)[zcomm.get_rank()])
+    full = [zengine.safe_get_full_fp32_param(p) for p in model.parameters()]
+    engine.destroy()
+    return [t for t in full if t is not None]
+
+
+class TestAllreduceGradients(DistributedTest):
+    """DeepSpeed's ``enable_backward_allreduce = False`` and ``allreduce_gradients()``."""
+
+    @SIZES
+    @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+    def test_the_caller_reduces(self, world_size: int, stage: int) -> None:
+        def reduced_by_the_caller(engine: zengine.Engine, tokens: torch.Tensor) -> None:
+            engine.enable_backward_allreduce = False
+            engine.backward(engine(tokens))
+            engine.allreduce_gradients()
+            engine.allreduce_gradients()  # twice: the second finds nothing left to do
+            engine.step()
+
+        def left_to_the_step(engine: zengine.Engine, tokens: torch.Tensor) -> None:
+            engine.enable_backward_allreduce = False
+            engine.backward(engine(tokens))
+            engine.step()  # reduces what no call did
+
+        expected = _trained(stage, world_size, _step)
+        for run in (reduced_by_the_caller, left_to_the_step):
+            for got, want in zip(_trained(stage, world_size, run), expected, strict=True):
+                assert torch.equal(got, want)
+
+    @SIZES
+    @pytest.mark.parametrize("stage", [0, 1])
+    def test_a_rank_that_skips_its_backward_joins_with_zeros(
+        self, world_size: int, stage: int
+    ) -> None:
+        """A batch one rank drops (a NaN loss): ``zero_grad(); allreduce_gradients()`` there
+        meets the others' reduction, as if it had contributed zero gradients."""
+        skipping = world_size - 1
+
+        def skip_on_the_last_rank(engine: zengine.Engine, tokens: torch.Tensor) -> None:
+            loss = engine(tokens)
+            if zcomm.get_rank() == skipping:
+                engine.zero_grad()
+                engine.allreduce_gradients()
+            else:
+                engine.backward(loss)
+            engine.step()
+
+        def zero_loss_on_the_last_rank(engine: zengine.Engine, tokens: torch.Tensor) -> None:
+            loss = engine(tokens)
+            engine.backward(loss * 0.0 if zcomm.get_rank() == skipping else loss)
+            engine.step()
+
+        expected = _trained(stage, world_size, zero_loss_on_the_last_rank)
+        skipped = _trained(stage, world_size, skip_on_the_last_rank)
+        for got, want in zip(skipped, expected, strict=True):
+            assert torch.equal(got, want)
+
+
 class TestUserOptimizerAndScheduler(DistributedTest):
     @pytest.mark.parametrize("world_size", [1, 2])
     def test_optimizer_instance_and_scheduler(self, world_size: int) -> None:

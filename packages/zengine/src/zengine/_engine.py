@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,10 @@ class Engine(nn.Module):
         self._step_applied = False  # whether the last step() updated the parameters
         self._no_sync = False  # inside no_sync(): backward passes reduce nothing
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word
+        # DeepSpeed's: False leaves the reduction at an accumulation boundary (stages 0, 1) to
+        # allreduce_gradients(); whether this accumulation's gradients are reduced yet
+        self.enable_backward_allreduce = True
+        self._reduction: Literal["none", "pending", "done"] = "none"
         self.progress = Progress(self, config)
         # ignore_unused_parameters false: a step refuses parameters left without a gradient
         checked = self.checks_unused_parameters and optimizer is not None
@@ -284,18 +288,39 @@ class Engine(nn.Module):
             )
         zero = self._trainer("backward()")
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        # stages 2 and 3 reduce in every backward whatever enable_backward_allreduce says
+        reduce = boundary and (self.enable_backward_allreduce or self.zero_optimization_stage() > 1)
         with self.progress.timed("backward"):
             if boundary:
                 zero.prefetch_states()  # NVMe offload: read while backward runs
-            zero.layout.before_backward(boundary)
+            zero.layout.before_backward(reduce)
             share = loss.float()
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 share = share / self.gradient_accumulation_steps()
             scaled = share if zero.loss_scaler is None else share * zero.cur_scale
             scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
-            zero.layout.after_backward(boundary)
+            zero.layout.after_backward(reduce)
+        if boundary:
+            self._reduction = "done" if reduce else "pending"
         self.progress.record_loss(loss)
         return share
+
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        """Reduce this accumulation's gradients across the ranks now, if no backward did: with
+        ``enable_backward_allreduce = False`` the boundary's backward leaves them to this call,
+        and a rank that skips its backward joins the others' reduction with zero gradients
+        (DeepSpeed's). Only at an accumulation boundary, and only at stages 0 and 1: stages 2
+        and 3 reduce during every backward. A ``step()`` reduces what is still left. Every
+        rank must call it. `bucket_size` is DeepSpeed's; ``reduce_bucket_size`` sets it here."""
+        zero = self._trainer("allreduce_gradients()")
+        if (
+            self.zero_optimization_stage() > 1
+            or not self.is_gradient_accumulation_boundary()
+            or self._reduction == "done"
+        ):
+            return
+        zero.layout.after_backward(True)
+        self._reduction = "done"
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -340,6 +365,9 @@ class Engine(nn.Module):
         self._step_applied = False
         if not boundary:
             return
+        if self._reduction == "pending":  # enable_backward_allreduce False, never reduced
+            self.allreduce_gradients()
+        self._reduction = "none"  # the next accumulation starts
         with self.progress.timed("step"):
             stepped = self._step_applied = zero.step()
             if stepped and self.lr_scheduler is not None:

@@ -272,3 +272,6 @@ class PipelineEngine(Engine):
 
     def no_sync(self) -> Any:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
+
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
