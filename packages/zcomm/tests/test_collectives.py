@@ -72,6 +72,40 @@ class TestCollectives(DistributedTest):
             zcomm.reduce(t, world_size)  # no such rank
 
     @SIZES
+    @pytest.mark.parametrize("async_op", [False, True])
+    def test_all_gather_into_a_list(self, world_size: int, async_op: bool) -> None:
+        mine = _rank_tensor(3, zcomm.get_rank()).view(1, 3)
+        out = [torch.empty(1, 3) for _ in range(world_size)]
+        zcomm.all_gather(out, mine, async_op=async_op).wait()
+        for r, got in enumerate(out):
+            torch.testing.assert_close(got, _rank_tensor(3, r).view(1, 3))
+        with pytest.raises(ValueError, match=f"must hold {world_size} tensors"):
+            zcomm.all_gather([*out, torch.empty(1, 3)], mine)
+        with pytest.raises(ValueError, match=r"tensor_list\[0\] has shape \(3,\)"):
+            zcomm.all_gather([torch.empty(3)] * world_size, mine)
+
+    @SIZES
+    def test_arguments_by_position_as_torch_takes_them(self, world_size: int) -> None:
+        """``dist.all_reduce(t, dist.ReduceOp.MAX, group)``: torch.distributed's and DeepSpeed's
+        order, for code written against them."""
+        rank = zcomm.get_rank()
+        t = torch.full((2,), float(rank))
+        zcomm.all_reduce(t, zcomm.ReduceOp.MAX, None, False)
+        assert torch.equal(t, torch.full((2,), world_size - 1.0))
+        t = torch.full((2,), float(rank))
+        zcomm.broadcast(t, world_size - 1, None, False)
+        assert torch.equal(t, torch.full((2,), world_size - 1.0))
+        t = torch.ones(2)
+        zcomm.reduce(t, 0, zcomm.ReduceOp.SUM, None, False)
+        out = torch.empty(2)
+        zcomm.reduce_scatter_tensor(out, torch.ones(2 * world_size), zcomm.ReduceOp.SUM, None)
+        assert torch.equal(out, torch.full((2,), float(world_size)))
+        full = torch.empty(2 * world_size)
+        zcomm.all_gather_into_tensor(full, torch.full((2,), float(rank)), None, False)
+        assert torch.equal(full, torch.arange(world_size).repeat_interleave(2).float())
+        zcomm.barrier(None)
+
+    @SIZES
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
     def test_inference_all_reduce(self, world_size: int, dtype: torch.dtype) -> None:
         """DeepSpeed's inference_all_reduce: in place, done on return, op positional."""

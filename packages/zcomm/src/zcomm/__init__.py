@@ -16,6 +16,7 @@ from zcomm._accounting import (
 from zcomm._coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zcomm._collectives import (
     ReduceOp,
+    all_gather,
     all_gather_into_tensor,
     all_reduce,
     barrier,
@@ -46,6 +47,7 @@ __all__ = [
     "P2POp",
     "ReduceOp",
     "__version__",
+    "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_reduce",

@@ -24,6 +24,7 @@ __all__ = [
 # compare with theirs). n is the group size.
 _BUS_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
     "all_gather_into_tensor": lambda n: (n - 1) / n,
     "reduce_scatter_tensor": lambda n: (n - 1) / n,
     "all_gather_coalesced": lambda n: (n - 1) / n,

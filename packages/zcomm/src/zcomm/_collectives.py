@@ -19,6 +19,7 @@ from zcomm._world import group_size
 
 __all__ = [
     "ReduceOp",
+    "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
     "barrier",
@@ -65,7 +66,6 @@ def _reduction(
 
 def all_reduce(
     tensor: torch.Tensor,
-    *,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
@@ -100,7 +100,6 @@ def inference_all_reduce(
 def reduce(
     tensor: torch.Tensor,
     dst: int,
-    *,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
@@ -126,7 +125,6 @@ def reduce(
 def broadcast(
     tensor: torch.Tensor,
     src: int,
-    *,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Handle:
@@ -181,10 +179,46 @@ def _prepare_pair(
     return size
 
 
+def all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Gather every rank's `tensor` into `tensor_list`, one tensor per rank of `group` in
+    rank order (torch's and DeepSpeed's list form; `all_gather_into_tensor` gathers into one
+    flat tensor)."""
+    check_tensor("all_gather", "tensor", tensor)
+    size = group_size("all_gather", check_group("all_gather", group))
+    if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != size:
+        got = len(tensor_list) if isinstance(tensor_list, (list, tuple)) else tensor_list
+        raise ValueError(
+            f"all_gather: tensor_list must hold {size} tensors (the group size), got {got!r}"
+        )
+    for i, out in enumerate(tensor_list):
+        check_tensor("all_gather", f"tensor_list[{i}]", out)
+        check_same_kind("all_gather", f"tensor_list[{i}]", out, "tensor", tensor)
+        if out.shape != tensor.shape:
+            raise ValueError(
+                f"all_gather: tensor_list[{i}] has shape {tuple(out.shape)}, tensor has "
+                f"{tuple(tensor.shape)}"
+            )
+    if size == 1:
+        if tensor_list[0].data_ptr() != tensor.data_ptr():
+            tensor_list[0].copy_(tensor)
+        return completed("all_gather")
+    return run(
+        "all_gather",
+        group,
+        lambda a: dist.all_gather(list(tensor_list), tensor, group=group, async_op=a),
+        async_op=async_op,
+        nbytes=_nbytes(tensor) * size,
+    )
+
+
 def all_gather_into_tensor(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
-    *,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Handle:
@@ -224,10 +258,10 @@ def gather_flat(
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
-    *,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    *,
     scratch_input: bool = False,
 ) -> Handle:
     """Reduce `input` across `group` with `op` and keep this rank's slice in `output`.
@@ -327,7 +361,7 @@ def scatter_flat(
     )
 
 
-def barrier(*, group: dist.ProcessGroup | None = None) -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Block until every rank of `group` has reached this call."""
     if group_size("barrier", check_group("barrier", group)) == 1:
         return

@@ -32,7 +32,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def isend(
-    tensor: torch.Tensor, dst: int, *, group: dist.ProcessGroup | None = None, tag: int = 0
+    tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0
 ) -> Handle:
     """Start sending `tensor` to global rank `dst`; wait on the handle before reusing it."""
     tensor, dst = _checked("isend", tensor, "dst", dst, group)
@@ -46,7 +46,7 @@ def isend(
 
 
 def irecv(
-    tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None, tag: int = 0
+    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0
 ) -> Handle:
     """Start receiving into `tensor` from global rank `src`; read it after waiting."""
     tensor, src = _checked("irecv", tensor, "src", src, group)
@@ -60,14 +60,14 @@ def irecv(
 
 
 def send(
-    tensor: torch.Tensor, dst: int, *, group: dist.ProcessGroup | None = None, tag: int = 0
+    tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0
 ) -> None:
     """Send `tensor` to global rank `dst` and wait until it has gone."""
     isend(tensor, dst, group=group, tag=tag).wait()
 
 
 def recv(
-    tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None, tag: int = 0
+    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0
 ) -> int:
     """Receive into `tensor` from global rank `src`; returns `src`."""
     irecv(tensor, src, group=group, tag=tag).wait()
