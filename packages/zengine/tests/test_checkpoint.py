@@ -274,6 +274,56 @@ class TestForwardOnlyEngineLoads(DistributedTest):
             served.save_checkpoint(tmp_path / "again")
 
 
+class _WithEmpty(torch.nn.Module):
+    """TinyGPT with a parameter and a buffer of no elements (a LoRA rank of 0, a cache)."""
+
+    cache: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt: torch.nn.Module = TinyGPT()
+        self.extra = torch.nn.Parameter(torch.zeros(0, 8))
+        self.register_buffer("cache", torch.zeros(0, 8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = self.gpt(tokens) + self.extra.sum() + self.cache.sum()
+        return loss
+
+
+class TestTensorsWithoutElements(DistributedTest):
+    @pytest.mark.parametrize(
+        ("world_size", "stage"), [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (4, 3)]
+    )
+    def test_train_save_load_consolidate(self, world_size: int, stage: int, tmp_path: Path) -> None:
+        """As DeepSpeed: left whole (no ds_id at stage 3, nothing to step), and kept in
+        checkpoints (a ZeRO-3 backward divided by their chunk of 0; their entries, of which
+        DCP stores nothing, failed every load and consolidation)."""
+        from zengine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        def build(seed: int) -> tuple[_WithEmpty, zengine.Engine]:
+            torch.manual_seed(seed)
+            model = _WithEmpty()
+            engine, *_ = zengine.initialize(model=model, config=config(stage))
+            return model, engine
+
+        model, engine = build(0)
+        assert not hasattr(model.extra, "ds_id")
+        assert model.extra.shape == (0, 8)
+        train(engine, global_batches(2, 2 * world_size))
+        engine.save_checkpoint(tmp_path)
+        fresh_model, fresh = build(1)
+        fresh.load_checkpoint(tmp_path)
+        assert fresh_model.extra.shape == (0, 8)
+        trained = list(model.gpt.parameters())
+        for p, q in zip(trained, fresh_model.gpt.parameters(), strict=True):
+            mine, theirs = zengine.safe_get_full_fp32_param(p), zengine.safe_get_full_fp32_param(q)
+            assert mine is not None
+            assert theirs is not None
+            assert torch.equal(mine, theirs)
+        state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+        assert state["extra"].shape == state["cache"].shape == (0, 8)
+
+
 class _Mpu:
     """DeepSpeed's model-parallel unit, here only to run an engine on some of the ranks."""
 

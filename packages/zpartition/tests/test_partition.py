@@ -474,6 +474,42 @@ class TestCoordinator(DistributedTest):
             assert handle.coordinator._warned
 
 
+class _WithEmpty(nn.Module):
+    """TinyGPT and a trainable parameter of no elements (a LoRA rank of 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = TinyGPT()
+        self.extra = nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = self.gpt(tokens) + self.extra.sum()
+        return loss
+
+
+class TestParametersWithoutElements(DistributedTest):
+    @SIZES
+    @pytest.mark.parametrize("under_init", [False, True])
+    def test_left_whole_and_trained_around(self, world_size: int, under_init: bool) -> None:
+        """As DeepSpeed: nothing to cut, gather or reduce, so no ds_id; the backward of
+        several ranks divided by the parameter's chunk of 0 elements."""
+        torch.manual_seed(0)
+        reference = _WithEmpty()
+        torch.manual_seed(0)
+        if under_init:
+            with zpartition.Init():
+                model = _WithEmpty()
+        else:
+            model = _WithEmpty()
+        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        assert not hasattr(model.extra, "ds_id")
+        assert all(hasattr(p, "ds_id") for p in model.gpt.parameters())
+        data = batches(2, 4)
+        losses = train_partitioned(model, handle.shard_parameters(), data, LR)
+        expected = reference_losses(reference, data, LR)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+
+
 class Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -136,6 +136,8 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         assert self.metadata is not None
         items: list[ReadItem] = []
         for key, value in self.state_dict.items():
+            if isinstance(value, Piece) and value.size == 0:
+                continue  # a tensor without elements: nothing was written, nothing to read
             stored = self.metadata.state_dict_metadata.get(key)
             if stored is None:
                 raise KeyError(f"the checkpoint has no entry {key!r}")

@@ -69,8 +69,8 @@ def contents_of(directory: Path, exclude_frozen: bool = False) -> _Contents:
         key = f"master/{name}" if info["group"] is not None else f"model/{name}"
         entries.append((name, key, torch.float32, tuple(info["shape"])))
     for name, shape in manifest["buffers"].items():
-        stored = metadata[f"model/{name}"]
-        dtype = stored.properties.dtype  # type: ignore[union-attr]
+        stored = metadata.get(f"model/{name}")  # none for a buffer without elements
+        dtype = torch.float32 if stored is None else stored.properties.dtype  # type: ignore[union-attr]
         out_dtype = torch.float32 if dtype.is_floating_point else dtype
         entries.append((name, f"model/{name}", out_dtype, tuple(shape)))
     kept = {e[0] for e in entries}
@@ -104,8 +104,11 @@ def read_tensors(
     for batch in _batches(entries, budget):
         dest: dict[str, Any] = {}
         for _, key, _, shape in batch:
-            stored = metadata[key]
             numel = torch.Size(shape).numel()
+            if numel == 0:  # never written (DCP has no chunk to store)
+                dest[key] = Piece(torch.empty(0), 0, 0)
+                continue
+            stored = metadata[key]
             dtype = stored.properties.dtype  # type: ignore[union-attr]
             dest[key] = Piece(torch.empty(numel, dtype=dtype), 0, numel)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"

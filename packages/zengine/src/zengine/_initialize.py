@@ -179,7 +179,8 @@ def _config_from_args(args: Any) -> Any:
 def _param_groups(
     model: nn.Module, optimizer: Any, model_parameters: Iterable[Any] | None
 ) -> tuple[list[list[nn.Parameter]], list[dict[str, Any]]]:
-    """The trainable parameters by optimizer group, and each group's options."""
+    """The trainable parameters by optimizer group, and each group's options. Parameters
+    without elements are left out, as DeepSpeed leaves them: nothing to step."""
     if isinstance(optimizer, torch.optim.Optimizer):
         raw: list[Any] = list(optimizer.param_groups)
     else:
@@ -190,7 +191,11 @@ def _param_groups(
     options: list[dict[str, Any]] = []
     seen: set[int] = set()
     for entry in raw:
-        params = [p for p in entry["params"] if p.requires_grad and id(p) not in seen]
+        params = [
+            p
+            for p in entry["params"]
+            if p.requires_grad and int(getattr(p, "ds_numel", p.numel())) > 0 and id(p) not in seen
+        ]
         seen.update(id(p) for p in params)
         groups.append(params)
         options.append({k: v for k, v in entry.items() if k != "params"})

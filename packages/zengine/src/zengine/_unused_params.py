@@ -28,7 +28,11 @@ class UnusedParameterCheck:
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        trainable = [
+            (name, p)
+            for name, p in module.named_parameters()
+            if p.requires_grad and int(getattr(p, "ds_numel", p.numel())) > 0  # optimized ones
+        ]
         self._names = {id(p): name for name, p in trainable}
         self._seen: set[int] = set()
         self._handles = [

@@ -19,7 +19,14 @@ from torch import nn
 
 from zpartition._status import ZeroParamStatus
 
-__all__ = ["ZeroParameter", "convert_parameter", "next_module_id", "summary", "zero_params"]
+__all__ = [
+    "ZeroParameter",
+    "convert_parameter",
+    "next_module_id",
+    "partitioned",
+    "summary",
+    "zero_params",
+]
 
 if TYPE_CHECKING:
     from zpartition._unit import Unit
@@ -50,6 +57,12 @@ else:
 def zero_params(params: Iterable[torch.Tensor]) -> list[ZeroParameter]:
     """`params` as partitioned parameters (the caller knows they are)."""
     return cast("list[ZeroParameter]", list(params))
+
+
+def partitioned(params: Iterable[torch.Tensor]) -> list[ZeroParameter]:
+    """Those of `params` that are partitioned: a model's parameters without elements are
+    left whole, as DeepSpeed leaves them (there is nothing to cut, gather or reduce)."""
+    return zero_params(p for p in params if hasattr(p, "ds_id"))
 
 
 _module_ids = itertools.count()  # ids of users of units: local to this process

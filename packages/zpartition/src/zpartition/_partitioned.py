@@ -20,7 +20,13 @@ from zpartition._gather import channel_for, new_unit
 from zpartition._gathered import GatheredParameters
 from zpartition._hooks import ModuleInfo, State
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
-from zpartition._param import ZeroParameter, convert_parameter, next_module_id, zero_params
+from zpartition._param import (
+    ZeroParameter,
+    convert_parameter,
+    next_module_id,
+    partitioned,
+    zero_params,
+)
 from zpartition._reduce import GradientSink
 from zpartition._status import ZeroParamStatus
 from zpartition._store import ShardStore
@@ -57,8 +63,11 @@ def convert_module(
 ) -> list[ZeroParameter]:
     """Partition the parameters of `module` not partitioned yet; returns them. `pin_memory`:
     host shards in pinned memory where CUDA is there (they copy to the GPU asynchronously)."""
-    fresh = zero_params(p for p in module.parameters(recurse=recurse) if not hasattr(p, "ds_id"))
-    fresh = list({id(p): p for p in fresh}.values())
+    found = [p for p in module.parameters(recurse=recurse) if not hasattr(p, "ds_id")]
+    for p in found:
+        if p.numel() == 0 and dtype is not None and p.is_floating_point():
+            p.data = p.data.to(dtype)  # left whole (see `partitioned`), in the compute dtype
+    fresh = zero_params({id(p): p for p in found if p.numel() > 0}.values())
     _broadcast_params(fresh, group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     channel = channel_for(group)
@@ -81,7 +90,7 @@ def _persistent(module: nn.Module, config: ZeroParamConfig) -> set[int]:
     """ds_ids of the parameters that stay gathered, in model order until the total is spent."""
     chosen: set[int] = set()
     total = 0
-    for p in zero_params(module.parameters()):
+    for p in partitioned(module.parameters()):
         if p.ds_numel <= config.param_persistence_threshold and (
             total + p.ds_numel <= config.model_persistence_threshold
         ):
@@ -129,7 +138,7 @@ class Partitioned:
     def shard_parameters(self) -> list[torch.Tensor]:
         """This rank's shard (``ds_tensor``) of every trainable parameter: what to optimize."""
         seen: dict[int, torch.Tensor] = {}
-        for p in zero_params(self.module.parameters()):
+        for p in partitioned(self.module.parameters()):
             if p.requires_grad:
                 seen.setdefault(p.ds_id, p.ds_tensor)
         return list(seen.values())
@@ -298,7 +307,7 @@ def _build_units(
     for name, m, leaf in _walk(module):
         if m not in needs_hooks and m is not module:  # the root begins every pass
             continue
-        params = zero_params(m.parameters(recurse=leaf))
+        params = partitioned(m.parameters(recurse=leaf))
         mine = [p for p in params if p.ds_id not in owned and p.ds_id not in persistent_ids]
         mine = list({p.ds_id: p for p in mine}.values())
         unit = None
@@ -323,13 +332,13 @@ def _build_units(
 def _subtrees_with_partitioned(module: nn.Module, persistent_ids: set[int]) -> set[nn.Module]:
     found: set[nn.Module] = set()
     for m in module.modules():
-        if any(p.ds_id not in persistent_ids for p in zero_params(m.parameters())):
+        if any(p.ds_id not in persistent_ids for p in partitioned(m.parameters())):
             found.add(m)
     return found
 
 
 def _persistent_unit(module: nn.Module, channel: Any, persistent_ids: set[int]) -> Unit | None:
-    params = [p for p in zero_params(module.parameters()) if p.ds_id in persistent_ids]
+    params = [p for p in partitioned(module.parameters()) if p.ds_id in persistent_ids]
     if not params:
         return None
     unit = new_unit(channel.next_unit_id(), "<persistent>", params, channel, _device_of(params))
