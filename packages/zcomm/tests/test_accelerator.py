@@ -41,6 +41,23 @@ def test_cpu_accelerator() -> None:
     acc.manual_seed(0)
     with acc.range("region"):
         pass
+    assert acc.supported_dtypes() == [torch.float32, torch.bfloat16]
+    assert 0 < acc.available_memory() <= acc.total_memory()
+    assert acc.memory_reserved() > 0
+    assert acc.max_memory_reserved() >= acc.memory_reserved() // 2
+
+
+def test_rng_state_round_trip() -> None:
+    """DeepSpeed's accelerator RNG calls (activation checkpointing and its tests fork the
+    generator with them)."""
+    acc = zcomm.get_accelerator()
+    acc.manual_seed_all(7)
+    assert acc.initial_seed() == 7
+    state = acc.get_rng_state()
+    first = torch.rand(3, device=acc.device())
+    acc.set_rng_state(state)
+    assert torch.equal(torch.rand(3, device=acc.device()), first)
+    assert isinstance(acc.default_generator(0), torch.Generator)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU accelerator")

@@ -158,6 +158,36 @@ class Accelerator:
         else:
             torch.manual_seed(seed)
 
+    def manual_seed_all(self, seed: int) -> None:
+        """Seed every device's generator (the CPU one on CPU)."""
+        if self._cuda:
+            torch.cuda.manual_seed_all(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        """The seed the device's generator started from."""
+        return int(torch.cuda.initial_seed() if self._cuda else torch.initial_seed())
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        """The device generator's state (the CPU one's on CPU), to `set_rng_state` later."""
+        if self._cuda:
+            return torch.cuda.get_rng_state("cuda" if device_index is None else device_index)
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        """Put back a state `get_rng_state` gave."""
+        if self._cuda:
+            torch.cuda.set_rng_state(new_state, "cuda" if device_index is None else device_index)
+        else:
+            torch.set_rng_state(new_state)
+
+    def default_generator(self, device_index: int) -> torch.Generator:
+        """The device's default generator (the CPU one on CPU)."""
+        if self._cuda:
+            return torch.cuda.default_generators[device_index]
+        return torch.default_generator
+
     # Memory.
     def memory_allocated(self, device_index: int | None = None) -> int:
         """Bytes allocated by tensors on the device (resident set size on CPU)."""
@@ -166,6 +196,27 @@ class Accelerator:
     def max_memory_allocated(self, device_index: int | None = None) -> int:
         """Peak of `memory_allocated` (peak resident set size on CPU, which cannot be reset)."""
         return torch.cuda.max_memory_allocated(device_index) if self._cuda else _max_rss_bytes()
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        """Bytes the caching allocator holds (`memory_allocated` on CPU, which has no cache)."""
+        return torch.cuda.memory_reserved(device_index) if self._cuda else _rss_bytes()
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        """Peak of `memory_reserved` (peak resident set size on CPU)."""
+        return torch.cuda.max_memory_reserved(device_index) if self._cuda else _max_rss_bytes()
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        """The device's memory in bytes (the machine's on CPU)."""
+        if self._cuda:
+            index = torch.cuda.current_device() if device_index is None else device_index
+            return int(torch.cuda.get_device_properties(index).total_memory)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        """Bytes free on the device now (the machine's free memory on CPU)."""
+        if self._cuda:
+            return int(torch.cuda.mem_get_info(device_index)[0])
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         """Restart the peak counter (no-op on CPU)."""
@@ -217,6 +268,15 @@ class Accelerator:
     def is_fp16_supported(self) -> bool:
         """Whether fp16 training is supported (not on CPU, where many kernels lack it)."""
         return self._cuda
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """The floating-point dtypes training runs in here."""
+        found = [torch.float32]
+        if self.is_fp16_supported():
+            found.append(torch.float16)
+        if self.is_bf16_supported():
+            found.append(torch.bfloat16)
+        return found
 
     def is_bf16_supported(self) -> bool:
         """Whether bf16 is supported (always on CPU; on CUDA, by the device)."""
