@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 from datetime import timedelta
 
@@ -32,10 +34,23 @@ class TestFromLauncherEnvironment(DistributedTest):
         assert t.item() == world_size
 
     @pytest.mark.parametrize("world_size", [1, 2, 4])
-    def test_conflicting_backend_is_an_error(self, world_size: int) -> None:
+    def test_another_backend_keeps_the_world_up_and_says_so(self, world_size: int) -> None:
+        """As DeepSpeed: a script asking for "nccl" under a launcher that started gloo (on a
+        CPU machine) keeps the running world, with a warning."""
         zcomm.init_distributed(dist_backend="gloo")
-        with pytest.raises(ValueError, match="already initialized with backend 'gloo'"):
-            zcomm.init_distributed("mpi")
+        said = io.StringIO()
+        handler = logging.StreamHandler(said)
+        logging.getLogger("zcomm").addHandler(handler)
+        try:
+            zcomm.init_distributed("nccl")
+            zcomm.init_distributed(dist_backend="mpi")
+        finally:
+            logging.getLogger("zcomm").removeHandler(handler)
+        assert said.getvalue().count("already initialized with backend 'gloo'; keeping it") == 2
+        assert dist.get_backend() == "gloo"
+        t = torch.ones(1)
+        zcomm.all_reduce(t)
+        assert t.item() == world_size
 
     @pytest.mark.parametrize("world_size", [2])
     def test_incomplete_environment_names_the_missing_variable(self, world_size: int) -> None:

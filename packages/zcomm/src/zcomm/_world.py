@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -32,6 +33,7 @@ __all__ = [
 
 # DeepSpeed's default: long enough for a slow first compile or checkpoint load on one rank.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+log = logging.getLogger("zcomm")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # Callbacks that drop per-process-group caches (groups, topology groups) on `destroy`.
@@ -55,12 +57,7 @@ def _resolve_backend(backend: str | None, dist_backend: str | None) -> str | Non
         return None
     if not isinstance(chosen, str) or not chosen:
         raise ValueError(f"init_distributed(backend=...): expected a backend name, got {chosen!r}")
-    chosen = chosen.lower()
-    if chosen == "nccl" and not torch.cuda.is_available():
-        raise ValueError(
-            "init_distributed(backend='nccl'): NCCL needs CUDA, and no CUDA device is visible"
-        )
-    return chosen
+    return chosen.lower()
 
 
 def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:
@@ -176,9 +173,13 @@ def init_distributed(
     if dist.is_initialized():
         current = str(dist.get_backend())
         if chosen is not None and chosen not in current.split(":") and chosen != current:
-            raise ValueError(
-                f"init_distributed(backend={chosen!r}): "
-                f"already initialized with backend {current!r}"
+            # the caller wants a world, and one is up: keep it, as DeepSpeed does (scripts
+            # ask for "nccl" unconditionally, and run on CPU under a gloo launcher)
+            log.warning(
+                "zcomm: init_distributed(backend=%r): already initialized with backend %r; "
+                "keeping it",
+                chosen,
+                current,
             )
         return
     if dist_init_required is False:
@@ -186,6 +187,10 @@ def init_distributed(
             "init_distributed(dist_init_required=False): torch.distributed is not initialized; "
             "start it first (torch.distributed.init_process_group), or leave "
             "dist_init_required out to let zcomm start it"
+        )
+    if chosen == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "init_distributed(backend='nccl'): NCCL needs CUDA, and no CUDA device is visible"
         )
     wait = _resolve_timeout(timeout)
     chosen = chosen or get_accelerator().communication_backend_name()
