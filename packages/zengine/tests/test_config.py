@@ -486,7 +486,13 @@ def test_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
 FEATURES_OFF: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
     "fp16": {"enabled": True, "auto_cast": False, "fp16_master_weights_and_grads": False},
-    "bf16": {"enabled": False, "immediate_grad_update": False},
+    "bf16": {
+        "enabled": False,
+        "immediate_grad_update": False,
+        "bf16_master_weights_and_grads": False,
+        "bf16_optimizer_states": 0,
+    },
+    "torch_autocast": {"enabled": False, "dtype": "bfloat16"},
     "zero_optimization": {
         "stage": 3,
         "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 1.0},
@@ -568,6 +574,8 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
             "train_batch_size": 1,
             "prescale_gradients": True,
             "amp": {"enabled": True},
+            "bf16": {"enabled": True, "bf16_optimizer_states": True},
+            "torch_autocast": {"enabled": True},
             "zero_optimization": {
                 "stage": 3,
                 "zero_quantized_weights": True,
@@ -587,6 +595,11 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
         "does not implement (got True); remove the key or set it to 1.0",
         "amp: DeepSpeed's apex AMP, which zengine does not implement (got {'enabled': True}); "
         'remove the key or set it to "enabled": false; use "fp16" or "bf16"',
+        "bf16.bf16_optimizer_states: DeepSpeed's bf16 optimizer states, which zengine does not "
+        "implement (got True); remove the key or set it to false",
+        "torch_autocast: DeepSpeed's torch.autocast inside the engine, which zengine does not "
+        "implement (got {'enabled': True}); remove the key or set it to \"enabled\": false; "
+        "torch.autocast in the model works as it is",
         "zero_optimization.zero_hpz_partition_size: DeepSpeed's ZeRO++ hpZ, which zengine "
         "does not implement (got 8); remove the key or set it to 1",
         "zero_optimization.zero_quantized_weights: DeepSpeed's ZeRO++ quantized weights, "

@@ -36,11 +36,15 @@ def _off(value: object) -> bool:
 
 
 def _is(*inert: object) -> Callable[[object], bool]:
-    """The value is one of `inert` (DeepSpeed's default or "off"), or null; ``true`` is not 1."""
-    return lambda value: (
-        value is None
-        or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert)
-    )
+    """The value is one of `inert` (DeepSpeed's default or "off"), or null; a switch may be
+    written 0 or 1 (as the config's own switches), a number is not a switch."""
+
+    def same(value: object, v: object) -> bool:
+        if isinstance(v, bool) and type(value) is int and value in (0, 1):
+            return bool(value) is v
+        return value == v and isinstance(value, bool) == isinstance(v, bool)
+
+    return lambda value: value is None or any(same(value, v) for v in inert)
 
 
 def _empty(value: object) -> bool:
@@ -121,6 +125,20 @@ _KEYS = (
     _Key(("hybrid_engine",), "hybrid engine", _off, '"enabled": false'),
     _Key(("compile",), "DeepCompile", _nothing_true, "false flags"),
     _Key(("fp16", "fp16_master_weights_and_grads"), "fp16 masters", _is(False), "false"),
+    *(
+        _Key((section, key), what, _is(False), "false")
+        for section in ("bf16", "bfloat16")
+        for key, what in (
+            ("bf16_master_weights_and_grads", "bf16 masters and gradients"),
+            ("bf16_optimizer_states", "bf16 optimizer states"),
+        )
+    ),
+    _Key(
+        ("torch_autocast",),
+        "torch.autocast inside the engine",
+        _off,
+        '"enabled": false; torch.autocast in the model works as it is',
+    ),
     _Key((_ZERO, "legacy_stage1"), "legacy stage 1", _is(False), "false"),
     _Key((_ZERO, "zero_hpz_partition_size"), "ZeRO++ hpZ", _is(1), "1"),
     _Key((_ZERO, "zero_quantized_weights"), "ZeRO++ quantized weights", _is(False), "false"),
