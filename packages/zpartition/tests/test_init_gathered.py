@@ -92,6 +92,9 @@ class TestInit(DistributedTest):
         with zpartition.Init(config_dict_or_path={"fp16": {"enabled": True}}):
             half = nn.Linear(3, 3)
         assert half.weight.ds_tensor.dtype == torch.float16
+        with zpartition.Init(config={"bfloat16": {"enabled": 1}, "fp16": None}):
+            brain = nn.Linear(3, 3)  # DeepSpeed's older section name, a switch written 1
+        assert brain.weight.ds_tensor.dtype == torch.bfloat16
         late = nn.Linear(2, 2)  # after the context: plain again
         assert not zpartition.is_zero_param(late.weight)
 

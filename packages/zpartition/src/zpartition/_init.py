@@ -123,9 +123,10 @@ def _config_dtype(config: dict[str, Any] | str | Path | None) -> torch.dtype | N
     loaded: dict[str, Any] = (
         config if isinstance(config, dict) else json.loads(Path(config).read_text())
     )
-    if loaded.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    if loaded.get("fp16", {}).get("enabled"):
+    for section, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
+        if (loaded.get(section) or {}).get("enabled"):  # "bfloat16": DeepSpeed's older name
+            return dtype
+    if (loaded.get("fp16") or {}).get("enabled"):
         return torch.float16
     return None
 
