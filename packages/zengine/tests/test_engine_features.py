@@ -340,6 +340,38 @@ class TestAllreduceGradients(DistributedTest):
             assert torch.equal(got, want)
 
 
+class TestRefreshFp32Params(DistributedTest):
+    @SIZES
+    @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+    def test_weights_changed_outside_a_step_reach_the_masters(
+        self, world_size: int, stage: int
+    ) -> None:
+        """bf16 weights set by hand after initialize (on every rank at stages 0-2; through a
+        GatheredParameters block with a modifier rank at stage 3): the fp32 masters keep the
+        old values, and the next step would overwrite the new ones, until DeepSpeed's
+        ``optimizer.refresh_fp32_params()`` takes them in."""
+        torch.manual_seed(0)
+        model = TinyGPT()
+        engine, optimizer, *_ = zengine.initialize(
+            model=model, config=_config(stage, bf16={"enabled": True})
+        )
+        weight = model.head.weight
+        with zengine.zero.GatheredParameters([weight], modifier_rank=0), torch.no_grad():
+            if stage < 3 or zcomm.get_rank() == 0:
+                weight.data.fill_(0.5)
+        stale = zengine.safe_get_full_fp32_param(weight)
+        assert stale is not None
+        assert not torch.equal(stale, torch.full_like(stale, 0.5))
+        optimizer.refresh_fp32_params()
+        fresh = zengine.safe_get_full_fp32_param(weight)
+        assert fresh is not None
+        assert torch.equal(fresh, torch.full_like(fresh, 0.5))
+        _step(engine, global_batches(1, 2)[0])
+        after = zengine.safe_get_full_fp32_param(weight)
+        assert after is not None
+        assert (after - 0.5).abs().max() <= 0.011  # one Adam step of lr 1e-2 from 0.5
+
+
 class TestUserOptimizerAndScheduler(DistributedTest):
     @pytest.mark.parametrize("world_size", [1, 2])
     def test_optimizer_instance_and_scheduler(self, world_size: int) -> None:

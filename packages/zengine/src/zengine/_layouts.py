@@ -114,9 +114,7 @@ class FlatLayout:
         self.partitions = Partitions(
             pieces, master_device, sizes, masters=mine if self.aliased else None
         )
-        if not self.aliased:
-            for master, part in zip(self.partitions.masters, mine, strict=True):
-                master.copy_(part)
+        self.read_back()
         self.buckets = GradBuckets(
             offsets,
             self.flats,
@@ -248,6 +246,14 @@ class FlatLayout:
     def after_step(self) -> None:
         pass
 
+    def read_back(self) -> None:
+        """The parameters into this rank's masters, the inverse of `write_back` (nothing to do
+        when the fp32 parameters are their own masters)."""
+        if self.aliased:
+            return
+        for g, flat in enumerate(self.flats):
+            self.partitions.masters[g].copy_(self._mine(flat, g))
+
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """Copy the updated masters into the parameters (all-gathering the partitions)."""
         for g, flat in enumerate(self.flats):
@@ -311,8 +317,7 @@ class ShardedLayout:
         # set with offload_param to NVMe: its shards must be in memory for the step
         self.partitioned: zpartition.Partitioned | None = None
         self.shard_store: NvmeShardStore | None = None
-        if not self.aliased:
-            self._copy(self._masters, self._shards)  # type: ignore[arg-type]
+        self.read_back()
 
     def _cut(self, numel: int, every: list[ZeroParameter]) -> list[list[nn.Parameter]]:
         """[Note: tiled steps] The parameters in their order (group by group, as the gradients
@@ -386,6 +391,12 @@ class ShardedLayout:
             self.shard_store.holding = False  # each tile's shards go back after it
         if self.partitioned is not None:
             self.partitioned.fetch_shards(self._units_of(params))
+
+    def read_back(self) -> None:
+        """The shards into the masters, the inverse of `write_back` (nothing to do when the
+        fp32 shards are their own masters)."""
+        if not self.aliased:
+            self._copy(self._masters, self._shards)  # type: ignore[arg-type]
 
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """The updated masters (of these parameters, or all) into the shards; with offload_param

@@ -40,6 +40,7 @@ class Layout(Protocol):
     def tiles(self) -> list[list[nn.Parameter]] | None: ...
     def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
+    def read_back(self) -> None: ...
     def after_step(self) -> None: ...
 
 
@@ -137,6 +138,14 @@ class ZeroOptimizer:
             self.swapper.swap_in()
         self.layout.before_step()  # offload_param to NVMe: the shards (masters, if aliased)
         return self
+
+    def refresh_fp32_params(self) -> None:
+        """Take the model's parameters into the fp32 masters (DeepSpeed's): after weights
+        were changed outside a step (``load_state_dict`` into the module, a
+        ``GatheredParameters`` block with a modifier rank), the next step starts from them
+        instead of overwriting them with the old masters. Every rank must call it."""
+        self.resident()
+        self.layout.read_back()
 
     # -- what DeepSpeed's ZeRO optimizers expose -------------------------------------------
 
