@@ -243,6 +243,19 @@ class TestFp16(DistributedTest):
                 engine.step()
 
 
+def _trained(stage: int, world_size: int, run: Any, **extra: object) -> list[torch.Tensor]:
+    """The full fp32 weights after `run(engine, tokens)` on this rank's share of two global
+    batches (`extra`: more of the config)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine, *_ = zengine.initialize(model=model, config=_config(stage, **extra))
+    for batch in global_batches(2, 2 * world_size):
+        run(engine, batch.chunk(world_size)[zcomm.get_rank()])
+    full = [zengine.safe_get_full_fp32_param(p) for p in model.parameters()]
+    engine.destroy()
+    return [t for t in full if t is not None]
+
+
 class TestZeroGradBetweenMicroBatches(DistributedTest):
     @SIZES
     @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -252,40 +265,26 @@ class TestZeroGradBetweenMicroBatches(DistributedTest):
         """As DeepSpeed's: a micro-batch whose gradients ``zero_grad`` dropped leaves the step
         as if it had not run (stages 0 and 1 kept summing it into the next step; stage 0 in
         bf16 accumulates in fp32 buffers, the other path)."""
-        batches = global_batches(2, 2 * world_size)
-        mine = [b.chunk(world_size)[zcomm.get_rank()] for b in batches]
 
-        def params_after(discard: bool) -> list[torch.Tensor]:
-            torch.manual_seed(0)
-            model = TinyGPT()
-            config = _config(stage, gradient_accumulation_steps=2, bf16={"enabled": stage == 0})
-            engine, *_ = zengine.initialize(model=model, config=config)
-            if discard:
-                engine.backward(engine(mine[0]))
-                engine.step()
-                engine.zero_grad()
+        def first_dropped(engine: zengine.Engine, tokens: torch.Tensor) -> None:
+            _step(engine, tokens)
+            if engine.micro_steps == 1:
+                engine.zero_grad()  # the first micro-batch's gradients go
             else:
+                assert engine.was_step_applied()
+
+        def first_never_ran(engine: zengine.Engine, tokens: torch.Tensor) -> None:
+            if engine.micro_steps == 0:
                 engine.step()  # the micro-batch counted, with no gradients
-            _step(engine, mine[1])
-            assert engine.was_step_applied()
-            full = [zengine.safe_get_full_fp32_param(p) for p in model.parameters()]
-            engine.destroy()
-            return [t for t in full if t is not None]
+            else:
+                _step(engine, tokens)
+                assert engine.was_step_applied()
 
-        for dropped, never_ran in zip(params_after(True), params_after(False), strict=True):
-            assert torch.equal(dropped, never_ran)
-
-
-def _trained(stage: int, world_size: int, run: Any) -> list[torch.Tensor]:
-    """The full fp32 weights after two steps of `run(engine, tokens)` on this rank's share."""
-    torch.manual_seed(0)
-    model = TinyGPT()
-    engine, *_ = zengine.initialize(model=model, config=_config(stage))
-    for batch in global_batches(2, 2 * world_size):
-        run(engine, batch.chunk(world_size)[zcomm.get_rank()])
-    full = [zengine.safe_get_full_fp32_param(p) for p in model.parameters()]
-    engine.destroy()
-    return [t for t in full if t is not None]
+        extra = {"gradient_accumulation_steps": 2, "bf16": {"enabled": stage == 0}}
+        dropped = _trained(stage, world_size, first_dropped, **extra)
+        never_ran = _trained(stage, world_size, first_never_ran, **extra)
+        for got, want in zip(dropped, never_ran, strict=True):
+            assert torch.equal(got, want)
 
 
 class TestAllreduceGradients(DistributedTest):

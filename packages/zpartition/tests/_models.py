@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,17 +49,22 @@ def batches(steps: int, batch: int, seed: int = 1) -> list[torch.Tensor]:
 
 
 def train_partitioned(
-    model: nn.Module, shards: list[torch.Tensor], data: list[torch.Tensor], lr: float
+    model: nn.Module,
+    shards: list[torch.Tensor],
+    data: list[Any],
+    lr: float,
+    loss_of: Callable[[Any], torch.Tensor] | None = None,
 ) -> list[float]:
     """Each rank trains on its slice of every global batch, with SGD over its `shards`;
-    returns the global mean losses (what `reference_losses` gives for the whole batches)."""
+    returns the global mean losses (what `reference_losses` gives for the whole batches).
+    `loss_of(item)`: this rank's loss for an item of `data` (default: the model on its slice)."""
     import zcomm  # the reference trainer below runs without a world
 
     rank, world = zcomm.get_rank(), zcomm.get_world_size()
     opt = torch.optim.SGD(shards, lr=lr)
     losses = []
-    for tokens in data:
-        loss = model(tokens.chunk(world)[rank])
+    for item in data:
+        loss = model(item.chunk(world)[rank]) if loss_of is None else loss_of(item)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -68,11 +74,17 @@ def train_partitioned(
     return losses
 
 
-def reference_losses(model: nn.Module, data: list[torch.Tensor], lr: float) -> list[float]:
+def reference_losses(
+    model: nn.Module,
+    data: list[Any],
+    lr: float,
+    loss_of: Callable[[Any], torch.Tensor] | None = None,
+) -> list[float]:
+    """Plain SGD on whole batches; `loss_of(item)` as `train_partitioned`'s, on a whole item."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for tokens in data:
-        loss = model(tokens)
+    for item in data:
+        loss = model(item) if loss_of is None else loss_of(item)
         loss.backward()
         opt.step()
         opt.zero_grad()

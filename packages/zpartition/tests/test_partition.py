@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -43,9 +43,17 @@ CONFIGS = {
 
 
 def _train(
-    model: nn.Module, handle: zpartition.Partitioned, data: list[torch.Tensor]
+    model: nn.Module,
+    handle: zpartition.Partitioned,
+    data: list[Any],
+    loss_of: Callable[[Any], torch.Tensor] | None = None,
 ) -> list[float]:
-    return train_partitioned(model, handle.shard_parameters(), data, LR)
+    return train_partitioned(model, handle.shard_parameters(), data, LR, loss_of)
+
+
+def _mine(tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a global batch."""
+    return tokens.chunk(zcomm.get_world_size())[zcomm.get_rank()]
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -431,21 +439,14 @@ class TestCoordinator(DistributedTest):
         model = TinyGPT()
         reference = copy.deepcopy(model)
         handle = zpartition.partition(model, config=CONFIGS["per-module"])
-        rank, world = zcomm.get_rank(), zcomm.get_world_size()
-        opt = torch.optim.SGD(handle.shard_parameters(), lr=LR)
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-        for first, second in zip(batches(4, 4), batches(4, 4, seed=2), strict=True):
-            loss = (model(first.chunk(world)[rank]) + model(second.chunk(world)[rank])) / 2
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            zcomm.all_reduce(mean, op=zcomm.ReduceOp.AVG)
-            expected = (reference(first) + reference(second)) / 2
-            expected.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            assert mean.item() == pytest.approx(expected.item(), rel=1e-5)
+        pairs = list(zip(batches(4, 4), batches(4, 4, seed=2), strict=True))
+        losses = _train(
+            model, handle, pairs, lambda p: (model(_mine(p[0])) + model(_mine(p[1]))) / 2
+        )
+        expected = reference_losses(
+            reference, pairs, LR, lambda p: (reference(p[0]) + reference(p[1])) / 2
+        )
+        assert losses == pytest.approx(expected, rel=1e-5)
         assert handle.coordinator.invalidations == 0
         if world_size > 1:  # one rank keeps no trace: gathers cost nothing to wait for
             kinds = sorted(handle.coordinator._traces, key=str)
@@ -462,20 +463,17 @@ class TestCoordinator(DistributedTest):
         model = TinyGPT()
         reference = copy.deepcopy(model)
         handle = zpartition.partition(model, config=CONFIGS["per-module"])
-        rank, world = zcomm.get_rank(), zcomm.get_world_size()
-        opt = torch.optim.SGD(handle.shard_parameters(), lr=LR)
-        data = batches(4, 4)
-        losses = []
-        for tokens, other in zip(data, batches(4, 4, seed=2), strict=True):
-            loss = model(tokens.chunk(world)[rank])
+
+        def with_reference(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            loss: torch.Tensor = model(_mine(pair[0]))
             with torch.no_grad():
-                model(other.chunk(world)[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            zcomm.all_reduce(mean, op=zcomm.ReduceOp.AVG)
-            losses.append(mean.item())
+                model(_mine(pair[1]))
+            return loss
+
+        data = batches(4, 4)
+        losses = _train(
+            model, handle, list(zip(data, batches(4, 4, seed=2), strict=True)), with_reference
+        )
         expected = reference_losses(reference, data, LR)
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
         assert handle.coordinator.invalidations == 0

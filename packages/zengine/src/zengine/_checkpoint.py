@@ -266,7 +266,7 @@ def _read(
         kind, _, name = key.partition("/")
         return kind not in ("master", "model") or name in saved
 
-    masters = {n for n, saved in manifest["params"].items() if saved["group"] is not None}
+    masters = {n for n, info in manifest["params"].items() if info["group"] is not None}
     return read_entries(
         engine,
         sync,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from zengine._config_errors import dotted, show
+from zengine._config_sections import as_switch
 
 __all__ = ["SetAside", "keys_at", "set_aside"]
 
@@ -40,9 +41,9 @@ def _is(*inert: object) -> Callable[[object], bool]:
     written 0 or 1 (as the config's own switches), a number is not a switch."""
 
     def same(value: object, v: object) -> bool:
-        if isinstance(v, bool) and type(value) is int and value in (0, 1):
-            return bool(value) is v
-        return value == v and isinstance(value, bool) == isinstance(v, bool)
+        if isinstance(v, bool):
+            return as_switch(value) is v
+        return value == v and not isinstance(value, bool)
 
     return lambda value: value is None or any(same(value, v) for v in inert)
 
@@ -170,10 +171,10 @@ def _read_old_switches(out: SetAside) -> None:
     for old, new in _OLD_SWITCHES.items():
         if old not in zero:
             continue
-        value, where = zero.pop(old), dotted([_ZERO, old])
-        if value is None or value is False or (type(value) is int and value == 0):
+        value, where = as_switch(zero.pop(old)), dotted([_ZERO, old])
+        if value is None or value is False:
             continue
-        if value is not True and not (type(value) is int and value == 1):
+        if value is not True:
             out.problems.append(f"{where}: expected true or false, got {show(value)}")
         elif zero.get(new) not in (None, {}):
             out.problems.append(

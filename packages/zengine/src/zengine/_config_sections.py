@@ -42,6 +42,7 @@ __all__ = [
     "PipelineConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "as_switch",
 ]
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
@@ -90,15 +91,16 @@ Size = Annotated[int, BeforeValidator(_whole_number), Field(ge=0)]
 """A count of elements or bytes: a non-negative integer, or a whole float such as ``5e8``."""
 
 
-def _zero_or_one(value: object) -> object:
-    # DeepSpeed reads switches by truthiness, and configs write 0 and 1 for them
-    # ("zero_allow_untested_optimizer": 1 in its own tests); other numbers stay errors.
+def as_switch(value: object) -> object:
+    """0 and 1 as false and true; anything else as it is, for the type check to report.
+    DeepSpeed reads switches by truthiness, and configs write 0 and 1 for them
+    ("zero_allow_untested_optimizer": 1 in its own tests); other numbers stay errors."""
     if type(value) is int and value in (0, 1):
         return bool(value)
     return value
 
 
-Flag = Annotated[bool, BeforeValidator(_zero_or_one)]
+Flag = Annotated[bool, BeforeValidator(as_switch)]
 """A switch: ``true`` or ``false``, or ``1`` or ``0``."""
 
 
@@ -146,7 +148,7 @@ class OptimizerConfig(_Section):
     def _deepspeed_options_are_bools(cls, params: dict[str, Any]) -> dict[str, Any]:
         params = dict(params)  # the caller's dict stays as written
         for key in sorted(_DEEPSPEED_OPTIMIZER_OPTIONS & params.keys()):
-            params[key] = _zero_or_one(params[key])
+            params[key] = as_switch(params[key])
             if not isinstance(params[key], bool):
                 raise config_error(f"expected true or false, got {show(params[key])}", key=key)
         return params

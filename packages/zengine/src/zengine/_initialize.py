@@ -28,6 +28,7 @@ from zengine._loss_scaler import DynamicLossScaler, StaticLossScaler
 from zengine._lr_schedules import build_scheduler
 from zengine._offload_optimizer import NvmeStateSwapper
 from zengine._offload_param import NvmeShardStore
+from zengine._unused_params import is_optimized
 from zengine._zero_optimizer import LossScaler, ZeroOptimizer
 
 __all__ = ["initialize"]
@@ -191,11 +192,7 @@ def _param_groups(
     options: list[dict[str, Any]] = []
     seen: set[int] = set()
     for entry in raw:
-        params = [
-            p
-            for p in entry["params"]
-            if p.requires_grad and int(getattr(p, "ds_numel", p.numel())) > 0 and id(p) not in seen
-        ]
+        params = [p for p in entry["params"] if is_optimized(p) and id(p) not in seen]
         seen.update(id(p) for p in params)
         groups.append(params)
         options.append({k: v for k, v in entry.items() if k != "params"})

@@ -18,9 +18,15 @@ from torch import nn
 import zcomm
 from zengine._errors import UsageError
 
-__all__ = ["UnusedParameterCheck"]
+__all__ = ["UnusedParameterCheck", "is_optimized"]
 
 _NAMED = 5  # parameters named in the message; the rest are counted
+
+
+def is_optimized(p: torch.Tensor) -> bool:
+    """Whether the optimizer steps `p`: trainable and with elements (DeepSpeed's
+    ``is_optimized_parameter``; a ZeRO-3 parameter's elements are its ``ds_numel``)."""
+    return p.requires_grad and int(getattr(p, "ds_numel", p.numel())) > 0
 
 
 class UnusedParameterCheck:
@@ -28,11 +34,7 @@ class UnusedParameterCheck:
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        trainable = [
-            (name, p)
-            for name, p in module.named_parameters()
-            if p.requires_grad and int(getattr(p, "ds_numel", p.numel())) > 0  # optimized ones
-        ]
+        trainable = [(name, p) for name, p in module.named_parameters() if is_optimized(p)]
         self._names = {id(p): name for name, p in trainable}
         self._seen: set[int] = set()
         self._handles = [
