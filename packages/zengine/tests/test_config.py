@@ -575,7 +575,6 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
             "prescale_gradients": True,
             "amp": {"enabled": True},
             "bf16": {"enabled": True, "bf16_optimizer_states": True},
-            "torch_autocast": {"enabled": True},
             "zero_optimization": {
                 "stage": 3,
                 "zero_quantized_weights": True,
@@ -597,9 +596,6 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
         'remove the key or set it to "enabled": false; use "fp16" or "bf16"',
         "bf16.bf16_optimizer_states: DeepSpeed's bf16 optimizer states, which zengine does not "
         "implement (got True); remove the key or set it to false",
-        "torch_autocast: DeepSpeed's torch.autocast inside the engine, which zengine does not "
-        "implement (got {'enabled': True}); remove the key or set it to \"enabled\": false; "
-        "torch.autocast in the model works as it is",
         "zero_optimization.zero_hpz_partition_size: DeepSpeed's ZeRO++ hpZ, which zengine "
         "does not implement (got 8); remove the key or set it to 1",
         "zero_optimization.zero_quantized_weights: DeepSpeed's ZeRO++ quantized weights, "

@@ -235,6 +235,27 @@ class TestReduceDtype(DistributedTest):
         plain(x).float().sum().backward()
         assert plain.weight.ds_tensor.grad.dtype == torch.bfloat16
 
+    @pytest.mark.parametrize("world_size", [2, 4])
+    def test_a_comm_dtype_attribute_overrides_the_reduce_dtype(self, world_size: int) -> None:
+        # fp32 parameters: the one marked comm_dtype=bf16 (autocast's lower-precision safe)
+        # is reduced in bf16, the other in the config's float32, in one backward and bucket
+        x = torch.tensor([[1.0 if zcomm.get_rank() == 0 else 2.0**-9]])
+        model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(1.0)
+        model[0].weight.comm_dtype = torch.bfloat16  # type: ignore[assignment]
+        received: list[torch.Tensor] = []
+        config = ZeroParamConfig(param_persistence_threshold=0, reduce_dtype=torch.float32)
+        zpartition.partition(model, config=config, gradient_sink=_collect(received))
+        model(x).sum().backward()
+        by_dtype = {g.dtype: g[0].item() for g in received if g.numel()}
+        if zcomm.get_rank() == 0:  # the gradients of both are x
+            exact = (1 + (world_size - 1) * 2.0**-9) / world_size
+            assert by_dtype[torch.float32] == exact
+            assert by_dtype[torch.bfloat16] != exact  # 1 + 2**-9 rounded
+        assert set(by_dtype) <= {torch.float32, torch.bfloat16}
+
     @pytest.mark.parametrize("world_size", [1])
     def test_a_reduce_dtype_must_be_a_floating_dtype(self, world_size: int) -> None:
         with pytest.raises(TypeError, match=r"reduce_dtype must be a floating torch\.dtype"):

@@ -9,6 +9,7 @@ from zcomm import init_distributed
 from zengine import pipe, utils, zero
 from zengine.__about__ import __version__
 from zengine._args import add_config_arguments
+from zengine._autocast import get_comm_dtype, has_comm_dtype
 from zengine._checkpoint_errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -71,7 +72,9 @@ __all__ = [
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",
+    "get_comm_dtype",
     "get_state_devices",
+    "has_comm_dtype",
     "init_distributed",
     "initialize",
     "load_config",

@@ -31,6 +31,7 @@ from zengine._config_sections import (
     OptimizerConfig,
     PipelineConfig,
     SchedulerConfig,
+    TorchAutocastConfig,
     ZeroConfig,
     _Section,
     dtype_name,
@@ -76,6 +77,7 @@ class _Sections(_Section):
     wall_clock_breakdown: Flag = False
     """Time forward, backward and step separately."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     communication_data_type: DataType | None = None
     """The dtype gradients are reduced in (``fp32`` sums bf16 or fp16 gradients without
     rounding each partial sum); None: the model's compute dtype."""

@@ -134,12 +134,6 @@ _KEYS = (
             ("bf16_optimizer_states", "bf16 optimizer states"),
         )
     ),
-    _Key(
-        ("torch_autocast",),
-        "torch.autocast inside the engine",
-        _off,
-        '"enabled": false; torch.autocast in the model works as it is',
-    ),
     _Key((_ZERO, "legacy_stage1"), "legacy stage 1", _is(False), "false"),
     _Key((_ZERO, "zero_hpz_partition_size"), "ZeRO++ hpZ", _is(1), "1"),
     _Key((_ZERO, "zero_quantized_weights"), "ZeRO++ quantized weights", _is(False), "false"),

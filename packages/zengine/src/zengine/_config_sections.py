@@ -41,6 +41,7 @@ __all__ = [
     "ParallelWriteConfig",
     "PipelineConfig",
     "SchedulerConfig",
+    "TorchAutocastConfig",
     "ZeroConfig",
     "as_switch",
 ]
@@ -216,6 +217,21 @@ class BF16Config(_Section):
     check_grad_overflow: Flag = True
     """DeepSpeed's switch for skipping a step whose gradients hold an inf or NaN; zengine
     checks them always (``nonfinite_gradients`` says what then), so ``false`` warns."""
+
+
+class TorchAutocastConfig(_Section):
+    """``torch_autocast``: the engine runs the model's forward under ``torch.autocast``, with
+    the parameters, masters and optimizer state in the model's own dtype (fp32): PyTorch's
+    native mixed precision, where ``fp16``/``bf16`` cast the model itself."""
+
+    enabled: Flag = False
+    dtype: Annotated[Literal["fp16", "bf16"], BeforeValidator(dtype_name)] | None = None
+    """What autocast computes in: ``bf16`` or ``fp16`` (fp16 adds dynamic loss scaling, as
+    torch's GradScaler); None: torch's default for the device (bf16 on CPU, fp16 on CUDA)."""
+    lower_precision_safe_modules: list[str] | None = None
+    """Qualified class names (``torch.nn.Linear``) of the modules whose parameters' gradients
+    may be reduced in ``dtype`` rather than in their own (each parameter gets ``comm_dtype``);
+    an exact class match, as DeepSpeed's. None: Linear and Conv1d/2d/3d."""
 
 
 class _OffloadConfig(_Section):

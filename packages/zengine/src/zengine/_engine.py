@@ -20,6 +20,7 @@ from torch import nn
 import zcomm
 import zpartition
 from zengine._aio import nvme_offloader
+from zengine._autocast import autocast_dtype, forward_autocast
 from zengine._errors import UsageError
 from zengine._host_memory import IdleTrimmer, trim_heap
 from zengine._offload_states import StateOffloader
@@ -105,6 +106,7 @@ class Engine(nn.Module):
         self.enable_backward_allreduce = True
         self._reduction: Literal["none", "pending", "done"] = "none"
         self.progress = Progress(self, config)
+        self._autocast = autocast_dtype(config, device)  # torch_autocast's, None when off
         # ignore_unused_parameters false: a step refuses parameters left without a gradient
         checked = self.checks_unused_parameters and optimizer is not None
         self._unused = (
@@ -264,7 +266,7 @@ class Engine(nn.Module):
         self._idle_trim.busy()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = half_floats((args, kwargs))
-        with self.progress.timed("forward"):
+        with self.progress.timed("forward"), forward_autocast(self._autocast, self.device):
             output = self.module(*args, **kwargs)
         if self.optimizer is None and self.partitioned is not None:
             # No backward follows in an engine without an optimizer: what the forward kept

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
+from zengine._autocast import get_comm_dtype, has_comm_dtype
 
 __all__ = ["GradBuckets"]
 
@@ -71,7 +72,8 @@ class GradBuckets:
     (stages 0, 1); None: each gradient is copied into its bucket and dropped (stage 2).
     `low`: with `storage` of a wider dtype, the compute-dtype buffers the ``.grad`` are views
     of, folded into `storage` after every backward. `dtype`: what the reductions run in
-    (``communication_data_type``); None: the parameters'."""
+    (``communication_data_type``), unless the parameters' ``comm_dtype`` says otherwise (see
+    `_cut`); None: the parameters'."""
 
     def __init__(
         self,
@@ -224,16 +226,30 @@ def _cut(
     size: int,
     dtype: torch.dtype,
 ) -> list[_Bucket]:
-    """Group `g`'s buckets, in flat order, reduced in `dtype`; the last one reaches the flat's
-    end (padding)."""
+    """Group `g`'s buckets, in flat order; the last one reaches the flat's end (padding).
+
+    A bucket is reduced in its parameters' ``comm_dtype`` when they share one (autocast's
+    lower-precision-safe modules), else in `dtype`. A group cut into several buckets is also
+    cut where the ``comm_dtype`` changes, so its all-reduces carry each run in its own dtype;
+    a group that is one bucket stays one: its reduce-scatter in `dtype` moves no more bytes
+    than all-reduces of the narrower runs would, in fewer collectives."""
+    comms = [get_comm_dtype(p) if has_comm_dtype(p) else dtype for p, _ in pairs]
+    split = flat.numel() > size and len(set(comms)) > 1
     buckets: list[_Bucket] = []
     current: list[tuple[nn.Parameter, int]] = []
+    kinds: set[torch.dtype] = set()
     lo = 0
-    for p, offset in pairs:
+
+    def close(hi: int) -> None:
+        common = next(iter(kinds)) if len(kinds) == 1 else dtype
+        buckets.append(_Bucket(g, lo, hi, current, common, flat.device))
+
+    for (p, offset), comm in zip(pairs, comms, strict=True):
         end = offset + p.numel()
-        if current and end - lo > size:
-            buckets.append(_Bucket(g, lo, offset, current, dtype, flat.device))
-            current, lo = [], offset
+        if current and (end - lo > size or (split and comm not in kinds)):
+            close(offset)
+            current, kinds, lo = [], set(), offset
         current.append((p, offset))
-    buckets.append(_Bucket(g, lo, flat.numel(), current, dtype, flat.device))
+        kinds.add(comm)
+    close(flat.numel())
     return buckets

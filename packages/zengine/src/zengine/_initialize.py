@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import zcomm
 import zpartition
 from zengine._aio import nvme_offloader
+from zengine._autocast import autocast_loss_scaler, mark_comm_dtypes
 from zengine._config import EngineConfig, load_config
 from zengine._engine import Engine
 from zengine._errors import MissingArgumentError
@@ -93,7 +94,8 @@ def initialize(
     loader = _loader(training_data, cfg, group, collate_fn) if training_data is not None else None
     if make_optimizer is None:
         return _without_optimizer(model, lr_scheduler, cfg, group, device), None, loader, None
-    loss_scaler = _loss_scaler(cfg)
+    mark_comm_dtypes(model, cfg, device)  # before the gradient buckets are cut
+    loss_scaler = _loss_scaler(cfg, device)
     offload = _offload_masters(cfg)
     layout: FlatLayout | ShardedLayout
     if cfg.zero_stage == 3:
@@ -154,6 +156,7 @@ def _without_optimizer(
             "was given none and the config has no 'optimizer' section)"
         )
     handle = None
+    mark_comm_dtypes(model, cfg, device)  # their config errors come as training's would
     if cfg.zero_stage == 3:
         handle = _partition(model, cfg, group, device)
         _shards_to_nvme(handle, None, cfg)
@@ -245,14 +248,17 @@ def _swap_to_nvme(zero: ZeroOptimizer, cfg: EngineConfig) -> None:
 def _partition(
     model: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None, device: torch.device
 ) -> zpartition.Partitioned:
-    """Stage 3: partition what is not yet (cast to the compute dtype), then hook the model."""
+    """Stage 3: partition what is not yet (cast to fp16 or bf16 when one is enabled; else
+    left in its own dtype, as at stages 0-2), then hook the model."""
+    cast = cfg.dtype if cfg.dtype != torch.float32 else None
     for p in zpartition_params(model):
         if zpartition.is_zero_param(p):
-            if p.is_floating_point() and p.ds_tensor.dtype != cfg.dtype:
-                p.ds_tensor = p.ds_tensor.to(cfg.dtype)
-                p.data = torch.empty(0, dtype=cfg.dtype, device=p.device)
+            if cast is not None and p.is_floating_point() and p.ds_tensor.dtype != cast:
+                p.ds_tensor = p.ds_tensor.to(cast)
+                p.data = torch.empty(0, dtype=cast, device=p.device)
         else:
-            p.data = p.data.to(device, cfg.dtype if p.is_floating_point() else p.dtype)
+            dtype = cast if cast is not None and p.is_floating_point() else p.dtype
+            p.data = p.data.to(device, dtype)
     for b in model.buffers():
         b.data = b.data.to(device)
     shard_device = _offload_params(model, cfg, device)
@@ -383,9 +389,9 @@ def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> 
     return optimizer
 
 
-def _loss_scaler(cfg: EngineConfig) -> LossScaler | None:
+def _loss_scaler(cfg: EngineConfig, device: torch.device) -> LossScaler | None:
     if not cfg.fp16_enabled:
-        return None
+        return autocast_loss_scaler(cfg, device)  # fp16 autocast has one too
     fp16 = cfg.fp16
     if fp16.loss_scale:
         return StaticLossScaler(float(fp16.loss_scale))

@@ -39,7 +39,8 @@ class ZeroParamConfig:
     """The dtype gradients are reduce-scattered in (FSDP2's ``reduce_dtype``, DeepSpeed's
     ``communication_data_type``): float32 sums bf16 gradients without rounding each partial
     sum; the reduced shard gradient comes back in the parameter's dtype (or to the gradient
-    sink as reduced). None: each parameter's own dtype."""
+    sink as reduced). None: each parameter's own dtype. A parameter with a ``comm_dtype``
+    attribute (DeepSpeed's, which zengine's ``torch_autocast`` sets) is reduced in that."""
     persistent_grad_buckets: bool = False
     """Keep each dtype's gradient bucket between backward passes (DeepSpeed's contiguous
     gradient buffer) instead of allocating it per pass: worth it on accelerators, whose caching

@@ -35,7 +35,7 @@ from zpartition._external import register_external_parameter, unregister_externa
 from zpartition._param import ZeroParameter, zero_params
 from zpartition._reduce import GradBucket, GradientSink, keep_local
 from zpartition._status import ZeroParamStatus
-from zpartition._unit import Unit, _GradGroup
+from zpartition._unit import GradKey, Unit, _GradGroup
 
 __all__ = ["ModuleInfo", "State"]
 
@@ -103,16 +103,16 @@ class State:
         self.forwards_pending = 0
         self.handles: list[Any] = []  # removable hook handles
         self.units: list[Unit] = []  # every unit with trainable parameters, in order
-        self.buckets: dict[torch.dtype, GradBucket] = {}  # gradients waiting, by dtype
-        self.bucket_columns: dict[torch.dtype, int] = {}  # a bucket's width, set at install
+        self.buckets: dict[GradKey, GradBucket] = {}  # gradients waiting, by group key
+        self.bucket_columns: dict[GradKey, int] = {}  # a bucket's width, set at install
         self.root_device = torch.device("cpu")  # where gradients are computed (set at install)
         self.late_gradients = False  # gradients taken at the end of backward (see install)
         self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
-        # reduce-scatters in flight, to finish, with the dtype of the bucket each reads
-        self.reducing: list[tuple[torch.dtype, Callable[[], None]]] = []
+        # reduce-scatters in flight, to finish, with the key of the bucket each reads
+        self.reducing: list[tuple[GradKey, Callable[[], None]]] = []
         self.kept_buckets = False  # persistent_grad_buckets (set at install)
-        self.grad_buffers: dict[torch.dtype, torch.Tensor] = {}  # persistent_grad_buckets
-        self.buffers_busy: set[torch.dtype] = set()  # read by a reduce-scatter in flight
+        self.grad_buffers: dict[GradKey, torch.Tensor] = {}  # persistent_grad_buckets
+        self.buffers_busy: set[GradKey] = set()  # read by a reduce-scatter in flight
 
     # -- registration ----------------------------------------------------------------------
 
@@ -135,8 +135,9 @@ class State:
         limit = max(1, self.coordinator.config.reduce_bucket_size // self.channel.size)
         for unit in self.units:
             for group in unit.grad_groups:
-                columns = self.bucket_columns.get(group.dtype, 0) + group.width
-                self.bucket_columns[group.dtype] = min(columns, limit)
+                key = (group.dtype, group.comm)
+                columns = self.bucket_columns.get(key, 0) + group.width
+                self.bucket_columns[key] = min(columns, limit)
         self.root_device = self.units[0].device if self.units else torch.device("cpu")
         for unit in self.units:
             if self.late_gradients:
@@ -314,57 +315,58 @@ class State:
             self.coordinator.release((unit,), -1)
 
     def _bucket_for(self, group: _GradGroup) -> GradBucket:
-        bucket = self.buckets.get(group.dtype)
+        key = (group.dtype, group.comm)
+        bucket = self.buckets.get(key)
         if bucket is not None and not bucket.fits(group):
-            self._flush(group.dtype)
+            self._flush(key)
             bucket = None
         if bucket is None:
-            width = max(self.bucket_columns.get(group.dtype, 0), group.width)
-            dtype = self.coordinator.config.reduce_dtype or group.dtype
-            rows = self._kept_rows(group.dtype, width, dtype)
+            width = max(self.bucket_columns.get(key, 0), group.width)
+            # a parameter's comm_dtype first (autocast's lower-precision-safe modules), then
+            # the config's reduce_dtype, then its own
+            dtype = group.comm or self.coordinator.config.reduce_dtype or group.dtype
+            rows = self._kept_rows(key, width, dtype)
             bucket = GradBucket(dtype, width, self.channel, self.root_device, rows)
-            self.buckets[group.dtype] = bucket
+            self.buckets[key] = bucket
         return bucket
 
-    def _kept_rows(
-        self, dtype: torch.dtype, width: int, rows_dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        """The persistent bucket of the gradients of `dtype`, held in `rows_dtype` (None
-        without persistent_grad_buckets). One per dtype: a bucket still being reduce-scattered
+    def _kept_rows(self, key: GradKey, width: int, rows_dtype: torch.dtype) -> torch.Tensor | None:
+        """The persistent bucket of the gradients of group `key`, held in `rows_dtype` (None
+        without persistent_grad_buckets). One per key: a bucket still being reduce-scattered
         from it is finished first."""
         if not self.kept_buckets:
             return None
-        if dtype in self.buffers_busy:
+        if key in self.buffers_busy:
             self._finish_reductions()
-        rows = self.grad_buffers.get(dtype)
+        rows = self.grad_buffers.get(key)
         if rows is None or rows.shape[1] < width:
             rows = torch.empty(self.channel.size, width, dtype=rows_dtype, device=self.root_device)
-            self.grad_buffers[dtype] = rows
+            self.grad_buffers[key] = rows
         elif rows.untyped_storage().nbytes() == 0:  # freed by offload_states, not reloaded
             rows.untyped_storage().resize_(rows.numel() * rows.element_size())
-        self.buffers_busy.add(dtype)
+        self.buffers_busy.add(key)
         return rows[:, :width]
 
-    def _flush(self, dtype: torch.dtype | None = None) -> None:
-        """Reduce-scatter the bucket of `dtype` (all buckets by default).
+    def _flush(self, key: GradKey | None = None) -> None:
+        """Reduce-scatter the bucket of group `key` (all buckets by default).
 
         With overlap_comm one bucket is reduced while the next fills, as DeepSpeed's double
         buffer: the reductions launched before this one are finished once it is launched (they
         had a bucket's worth of backward to run in), so a backward holds at most two buckets
         and their results, whatever its size (it held every bucket until its end)."""
         overlap = self.coordinator.config.overlap_comm
-        for key in [dtype] if dtype is not None else sorted(self.buckets, key=str):
-            bucket = self.buckets.pop(key, None)
+        for k in [key] if key is not None else sorted(self.buckets, key=str):
+            bucket = self.buckets.pop(k, None)
             if bucket is not None and bucket.entries:
                 finish = bucket.reduce(self.sink, overlap=overlap)
                 self._finish_reductions()
-                self.reducing.append((key, finish))
+                self.reducing.append((k, finish))
 
     def _finish_reductions(self) -> None:
         reducing, self.reducing = self.reducing, []
-        for dtype, finish in reducing:
+        for key, finish in reducing:
             finish()
-            self.buffers_busy.discard(dtype)
+            self.buffers_busy.discard(key)
 
     def _start_backward(self) -> None:
         self.in_backward = True

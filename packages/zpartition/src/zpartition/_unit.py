@@ -28,7 +28,7 @@ from zpartition._status import ZeroParamStatus
 from zpartition._stepped import watch
 from zpartition._store import ShardStore
 
-__all__ = ["Unit", "fetch_shards", "issue_gathers"]
+__all__ = ["GradKey", "Unit", "fetch_shards", "issue_gathers"]
 
 _ALIGN = 16  # bytes; every parameter's chunk starts aligned for any dtype's view
 _AVAILABLE, _NOT_AVAILABLE, _INFLIGHT = (
@@ -42,13 +42,26 @@ def _aligned(offset: int) -> int:
     return -(-offset // _ALIGN) * _ALIGN
 
 
+GradKey = tuple[torch.dtype, "torch.dtype | None"]
+"""A gradient group's parameters' dtype, and the dtype their ``comm_dtype`` attribute asks
+them to be reduced in (None: the config's ``reduce_dtype``, else their own)."""
+
+
+def comm_dtype(p: torch.Tensor) -> torch.dtype | None:
+    """The dtype `p`'s gradient is to be reduced in, by its ``comm_dtype`` attribute
+    (DeepSpeed's, set on autocast's lower-precision-safe modules); None when it has none."""
+    dtype = getattr(p, "comm_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 class _GradGroup:
-    """The unit's trainable parameters of one dtype, reduce-scattered together."""
+    """The unit's trainable parameters of one dtype and one ``comm_dtype``, reduce-scattered
+    together."""
 
-    __slots__ = ("columns", "dtype", "indices", "shard_grad", "width")
+    __slots__ = ("columns", "comm", "dtype", "indices", "shard_grad", "width")
 
-    def __init__(self, dtype: torch.dtype, indices: list[int], chunks: list[int]) -> None:
-        self.dtype = dtype
+    def __init__(self, key: GradKey, indices: list[int], chunks: list[int]) -> None:
+        self.dtype, self.comm = key
         self.indices = indices
         self.columns: list[tuple[int, int]] = []  # (offset, chunk) in the rank-major rows
         self.width = 0
@@ -165,10 +178,10 @@ class Unit:
         self.empties = [torch.empty(0, dtype=p.dtype, device=device) for p in self.params]
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         self.trainable = len(trainable)
-        dtypes = sorted({self.params[i].dtype for i in trainable}, key=str)
+        keys = {i: (self.params[i].dtype, comm_dtype(self.params[i])) for i in trainable}
         self.grad_groups = [
-            _GradGroup(d, [i for i in trainable if self.params[i].dtype == d], self.chunks)
-            for d in dtypes
+            _GradGroup(k, [i for i in trainable if keys[i] == k], self.chunks)
+            for k in sorted(set(keys.values()), key=str)
         ]
         for p in self.params:
             p.ds_unit = self

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import zcomm
+from zengine._autocast import mark_comm_dtypes
 from zengine._config import ConfigError, EngineConfig, load_config
 from zengine._initialize import (
     _loader,
@@ -82,6 +83,7 @@ def initialize_pipeline(
             "initialize: no optimizer for the PipelineModule: pass optimizer=... or add an "
             "'optimizer' section to the config (a pipeline engine trains; eval_batch runs on it)"
         )
+    mark_comm_dtypes(model, cfg, device)
     _prepare_dense(model, cfg, dp_group, device)
     model.sync_tied_weights()
     # the gradients are reduced at the schedule's ReduceGrads, after the tied weights' own
@@ -100,7 +102,7 @@ def initialize_pipeline(
         layout,
         stage=cfg.zero_stage,
         group=dp_group,
-        loss_scaler=_loss_scaler(cfg),
+        loss_scaler=_loss_scaler(cfg, device),
         clip=float(cfg.gradient_clipping),
         pipe_group=grid.get_pipe_parallel_group(),
         copies=model.tied_copies(),

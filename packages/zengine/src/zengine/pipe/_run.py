@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import zpipe
+from zengine._autocast import forward_autocast
 from zengine._engine import half_floats
 from zengine.pipe._errors import PipelineError, describe
 from zengine.pipe._link import frame_size
@@ -259,7 +260,8 @@ class BatchRun:
 
     def forward(self, cmd: Any) -> None:
         slot, engine = self._slot(cmd), self.engine
-        outputs = engine.module(slot.inputs, chunk=cmd.chunk_id)
+        with forward_autocast(engine._autocast, engine.device):  # torch_autocast's, if on
+            outputs = engine.module(slot.inputs, chunk=cmd.chunk_id)
         if self._virtual(cmd) != self.last:
             slot.outputs, slot.out_floats = outputs, _floats(outputs)
             return
@@ -270,7 +272,8 @@ class BatchRun:
             if not engine.eval_computes_loss:
                 return
         loss_fn = engine.module.loss_fn
-        loss = loss_fn(outputs, labels) if loss_fn is not None else outputs
+        with forward_autocast(engine._autocast, engine.device):
+            loss = loss_fn(outputs, labels) if loss_fn is not None else outputs
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"the loss must be a tensor of one element, got {type(loss).__name__}"
