@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import zcomm
 import zpartition
@@ -61,6 +62,26 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+class _Checkpointed(TinyGPT):
+    """TinyGPT whose blocks keep no activations: torch's checkpoint, reentrant, non-reentrant
+    (stopping its recomputation early, torch's default), or non-reentrant run whole."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            if self.mode == "reentrant":
+                x = checkpoint(block, x, use_reentrant=True)
+            else:
+                with set_checkpoint_early_stop(self.mode == "early-stop"):
+                    x = checkpoint(block, x, use_reentrant=False)
+        logits = self.norm(x) @ self.embed.weight.t() + self.bias
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1, 1).flatten())
+
+
 class TestParity(DistributedTest):
     @SIZES
     @pytest.mark.parametrize("name", list(CONFIGS))
@@ -75,6 +96,21 @@ class TestParity(DistributedTest):
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
         for n, value in _full(model).items():
             torch.testing.assert_close(value, reference.get_parameter(n), rtol=1e-5, atol=1e-6)
+
+    @SIZES
+    @pytest.mark.parametrize("mode", ["reentrant", "early-stop", "whole"])
+    def test_checkpointed_blocks_match_unpartitioned(self, world_size: int, mode: str) -> None:
+        # The blocks' forward runs again in backward. Non-reentrant, it runs after the block's
+        # last module began its backward: "whole" (torch's early stop off) runs that module's
+        # forward hook too, which must not release what its backward is about to read.
+        torch.manual_seed(0)
+        model = _Checkpointed(mode)
+        reference = copy.deepcopy(model)
+        data = batches(3, 8)
+        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        losses = _train(model, handle, data)
+        expected = reference_losses(reference, data, LR)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
 
     @pytest.mark.parametrize("world_size", [1, 2])
     def test_kept_bucket_is_one_buffer_across_passes(self, world_size: int) -> None:
@@ -244,7 +280,7 @@ class TestReduceDtype(DistributedTest):
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(1.0)
-        model[0].weight.comm_dtype = torch.bfloat16  # type: ignore[assignment]
+        model[0].weight.comm_dtype = torch.bfloat16
         received: list[torch.Tensor] = []
         config = ZeroParamConfig(param_persistence_threshold=0, reduce_dtype=torch.float32)
         zpartition.partition(model, config=config, gradient_sink=_collect(received))

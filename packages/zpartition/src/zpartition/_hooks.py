@@ -224,7 +224,11 @@ class State:
                     output.grad_fn.register_prehook(info.pre_backward)  # the common case
                 else:
                     self._hook_backward(info, output)
-            if units:
+            # A forward run again in backward (activation checkpointing) of a module whose
+            # backward has begun keeps its units: that backward reads what this forward saves,
+            # and nothing would gather them again (torch's non-reentrant checkpoint stops its
+            # recomputation early, before this hook, unless told not to).
+            if units and not (self.in_backward and info.backward_pass == self.passes):
                 release(units, info.mid)
 
         return hook
