@@ -166,7 +166,7 @@ class TestCommDtype(DistributedTest):
 def test_buckets_are_cut_where_the_comm_dtype_changes() -> None:
     params = [nn.Parameter(torch.zeros(4)) for _ in range(5)]
     for i in (0, 1, 4):
-        params[i].comm_dtype = torch.bfloat16  # type: ignore[attr-defined]
+        params[i].comm_dtype = torch.bfloat16
     pairs = [(p, 4 * i) for i, p in enumerate(params)]
     flat = torch.zeros(20)
     # a group in several buckets: runs of one comm dtype, each reduced in it

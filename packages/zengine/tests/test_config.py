@@ -562,9 +562,9 @@ def test_a_report_zengine_does_not_make_is_ignored_with_a_warning(
         "produce; ignored",
         "zengine: config flops_profiler: DeepSpeed's FLOPs profiler, which zengine does not "
         "produce; ignored",
-        "zengine: config activation_checkpointing: DeepSpeed's activation checkpointing "
-        "settings (zengine has no deepspeed.checkpointing; torch.utils.checkpoint works as it "
-        "is), which zengine does not produce; ignored",
+        "zengine: config activation_checkpointing: the engine does not read it, as "
+        "DeepSpeed's does not; zengine.checkpointing.configure(None, deepspeed_config=config) "
+        "does; ignored",
     ]
 
 

@@ -2,11 +2,12 @@
 
 ``import zengine`` stands in for ``import deepspeed``: ``zengine.initialize`` returns
 ``(engine, optimizer, dataloader, lr_scheduler)``; ``zengine.zero`` holds ``Init`` and
-``GatheredParameters``; ``zengine.utils`` the ``safe_get_*`` functions.
+``GatheredParameters``; ``zengine.utils`` the ``safe_get_*`` functions; ``zengine.checkpointing``
+DeepSpeed's activation checkpointing.
 """
 
 from zcomm import init_distributed
-from zengine import pipe, utils, zero
+from zengine import checkpointing, pipe, utils, zero
 from zengine.__about__ import __version__
 from zengine._args import add_config_arguments
 from zengine._autocast import get_comm_dtype, has_comm_dtype
@@ -68,6 +69,7 @@ __all__ = [
     "ZeroOptimizer",
     "__version__",
     "add_config_arguments",
+    "checkpointing",
     "estimate_memory",
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",

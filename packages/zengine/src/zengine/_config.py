@@ -38,7 +38,7 @@ from zengine._config_sections import (
 )
 from zpartition import ZeroParamConfig
 
-__all__ = ["ConfigError", "EngineConfig", "load_config"]
+__all__ = ["ConfigError", "EngineConfig", "load_config", "read_config"]
 
 log = logging.getLogger("zengine")
 
@@ -192,7 +192,7 @@ def load_config(
         raise ValueError(
             f"load_config(world_size=...): expected a positive int, got {world_size!r}"
         )
-    aside = set_aside(_read(config))  # [Note: DeepSpeed keys without a feature]
+    aside = set_aside(read_config(config))  # [Note: DeepSpeed keys without a feature]
     data = aside.data
     problems: list[str] = []
     given: _GivenConfig | None = None
@@ -224,7 +224,8 @@ def load_config(
     )
 
 
-def _read(config: object) -> dict[Any, Any]:
+def read_config(config: object) -> dict[Any, Any]:
+    """A config as a dict: a mapping as it is, a JSON (or hjson) file read; None is {}."""
     if config is None:
         return {}
     if isinstance(config, Mapping):

@@ -70,6 +70,7 @@ class _Key:
     inert: Callable[[object], bool]  # the value asks for nothing
     off: str = ""  # what to write instead, for the error message
     report: bool = False  # a report only: warn and go on
+    said: str = ""  # the report's words, when "which zengine does not produce" is not right
 
 
 _ZERO, _OPT = "zero_optimization", ("zero_optimization", "offload_optimizer")
@@ -88,10 +89,11 @@ _KEYS = (
     _Key(("timers",), "throughput timers", _nothing_true, report=True),
     _Key(
         ("activation_checkpointing",),
-        "activation checkpointing settings (zengine has no deepspeed.checkpointing; "
-        "torch.utils.checkpoint works as it is)",
+        "activation checkpointing settings",
         _nothing_true,
         report=True,
+        said="the engine does not read it, as DeepSpeed's does not; "
+        "zengine.checkpointing.configure(None, deepspeed_config=config) does",
     ),
     _Key(("sparse_attention",), "sparse attention kernels", _empty, report=True),
     # the same training whatever the value
@@ -221,9 +223,8 @@ def set_aside(data: Mapping[Any, Any]) -> SetAside:
                 continue
             where = dotted(list(key.path))
             if key.report:
-                out.reports.append(
-                    f"{where}: DeepSpeed's {key.what}, which zengine does not produce; ignored"
-                )
+                said = key.said or f"DeepSpeed's {key.what}, which zengine does not produce"
+                out.reports.append(f"{where}: {said}; ignored")
             else:
                 out.problems.append(
                     f"{where}: DeepSpeed's {key.what}, which zengine does not implement "
