@@ -3,11 +3,11 @@
 ``import zengine`` stands in for ``import deepspeed``: ``zengine.initialize`` returns
 ``(engine, optimizer, dataloader, lr_scheduler)``; ``zengine.zero`` holds ``Init`` and
 ``GatheredParameters``; ``zengine.utils`` the ``safe_get_*`` functions; ``zengine.checkpointing``
-DeepSpeed's activation checkpointing.
+DeepSpeed's activation checkpointing; ``zengine.ops`` its optimizer classes.
 """
 
 from zcomm import init_distributed
-from zengine import checkpointing, pipe, utils, zero
+from zengine import checkpointing, ops, pipe, utils, zero
 from zengine.__about__ import __version__
 from zengine._args import add_config_arguments
 from zengine._autocast import get_comm_dtype, has_comm_dtype
@@ -80,6 +80,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "ops",
     "pipe",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
