@@ -247,3 +247,33 @@ def test_the_section_is_validated() -> None:
     )
     assert cfg.torch_autocast.enabled
     assert cfg.torch_autocast.dtype == "fp16"
+
+
+class TestStage3Gathers(DistributedTest):
+    @pytest.mark.parametrize("world_size", [2, 4])
+    def test_linear_weights_gathered_in_bf16_compute_as_autocast_does(
+        self, world_size: int
+    ) -> None:
+        # Linear weights all-gathered in bf16 (half the bytes) hold the values autocast casts
+        # them to: the forward is bit-exact; read outside a pass they are exact fp32
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        cfg = _config(3, torch_autocast=BF16, zero_optimization=zero)
+        engine, *_ = zengine.initialize(model=model, config=cfg)
+        narrow = [p for p in model.parameters() if zengine.has_comm_dtype(p)]
+        assert narrow
+        assert all(p.ds_unit.wire_bytes is not None for p in narrow)
+        tokens = global_batches(1, 2 * world_size)[0]
+        piece = tokens.view(world_size, -1, tokens.shape[-1])[zcomm.get_rank()]
+        loss = engine(piece)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = reference(piece)
+        assert torch.equal(loss, expected)
+        engine.backward(loss)
+        with zengine.zero.GatheredParameters(list(model.parameters())):
+            for name, p in model.named_parameters():
+                assert torch.equal(p, reference.get_parameter(name)), name
+        engine.step()
+        engine.destroy()

@@ -300,6 +300,53 @@ class TestReduceDtype(DistributedTest):
             ZeroParamConfig(reduce_dtype="fp32")  # type: ignore[arg-type]
 
 
+class TestNarrowGather(DistributedTest):
+    @pytest.mark.parametrize("world_size", [2, 4])
+    def test_a_pass_gathers_in_the_comm_dtype_and_other_readers_exactly(
+        self, world_size: int
+    ) -> None:
+        # fp32 Linears, the first marked comm_dtype=bf16 (what zengine's torch_autocast does):
+        # its forward and backward read bf16-rounded weights (what autocast computes with),
+        # gathered in half the bytes; GatheredParameters reads the exact fp32 values, also
+        # of a unit a pass holds gathered narrow at that moment
+        def linears(marked: bool) -> tuple[nn.Linear, nn.Linear]:
+            torch.manual_seed(0)
+            first, second = nn.Linear(64, 64), nn.Linear(64, 64)
+            if marked:
+                for p in first.parameters():
+                    p.comm_dtype = torch.bfloat16
+            return first, second
+
+        exact, _ = linears(False)
+        first, second = linears(True)
+        model = nn.Sequential(first, second)
+        seen: dict[str, torch.Tensor] = {}
+
+        def look(module: nn.Module, args: Any, output: Any) -> None:
+            seen["pass"] = first.weight.detach().clone()
+            if "gathered" not in seen:  # the second pass: read exactly while the pass runs
+                with zpartition.GatheredParameters([first.weight]):
+                    seen["gathered"] = first.weight.detach().clone()
+
+        zpartition.partition(model, config=ZeroParamConfig(param_persistence_threshold=0))
+        first.register_forward_hook(look)
+        x = torch.randn(2, 64)
+        seen["gathered"] = torch.empty(0)  # the first pass: no exact read inside it
+        model(x).sum().backward()
+        assert torch.equal(seen["pass"], exact.weight.bfloat16().float())
+        assert not torch.equal(seen["pass"], exact.weight)
+        # what goes on the wire: half the shard's bytes
+        marked, plain = first.weight.ds_unit, second.weight.ds_unit
+        assert marked.wire_bytes * 2 == marked.shard.numel()
+        assert plain.wire_bytes is None
+        del seen["gathered"]
+        model(x).sum().backward()
+        assert torch.equal(seen["gathered"], exact.weight)
+        with zpartition.GatheredParameters(list(first.parameters())):
+            assert torch.equal(first.weight, exact.weight)
+            assert torch.equal(first.bias, exact.bias)
+
+
 class TestRemove(DistributedTest):
     @SIZES
     def test_remove_gives_back_a_plain_model(self, world_size: int) -> None:

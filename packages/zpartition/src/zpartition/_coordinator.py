@@ -142,7 +142,7 @@ class Coordinator:
 
     def _gather(self, units: list[Unit]) -> None:
         self.channel.agree(Kind.GATHER, [u.uid for u in units])
-        issue_gathers(units)
+        issue_gathers(units, narrow=True)  # for a pass: comm_dtype's narrower dtypes may go
 
     # -- following the plan ----------------------------------------------------------------
 

@@ -61,6 +61,7 @@ def gather_now(params: Iterable[ZeroParameter], user: int = EXPLICIT) -> list[Un
     for u in units:
         if u.persistent:
             u.refresh()
+        u.make_exact()  # a pass gathered it narrow: read here, it must be as it is
     missing = [u for u in units if u.status is ZeroParamStatus.NOT_AVAILABLE]
     by_channel: dict[int, list[Unit]] = {}
     for u in missing:

@@ -227,6 +227,7 @@ class Partitioned:
 
     @staticmethod
     def _unpartition(unit: Unit) -> None:
+        unit.make_exact()  # the parameters keep these values: not a pass's narrowed ones
         if unit.persistent:
             unit.refresh()  # gathered, but maybe before the optimizer's last step
         elif unit.status is not ZeroParamStatus.AVAILABLE:

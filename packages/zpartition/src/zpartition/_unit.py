@@ -8,6 +8,13 @@ the dtypes. The gathered bytes are rank-major (rank 0's shard, rank 1's shard, .
 i's full data is the column block i of them viewed as (W, shard bytes), copied once into the
 *full* buffer, where each parameter lies contiguous.
 
+A parameter whose ``comm_dtype`` is narrower than its dtype (autocast's lower-precision-safe
+modules: fp32 weights that autocast casts to bf16 anyway) is gathered in that dtype for the
+forward and backward passes: a *wire* copy of the shard carries it, half the bytes, and the
+copy-out widens it into the full buffer, whose values are then the ones autocast computes
+with. Every other gather (``GatheredParameters``, a persistent unit, taking the hooks off) is
+exact, and a unit still holding narrowed values is gathered again before it is read there.
+
 The full buffer is freed by resizing its storage to 0 bytes, not by dropping it: autograd keeps
 views of it (``addmm`` saves ``weight.t()``), and resizing frees the memory under those views,
 while the gather before backward fills the same storage again (FSDP2 frees the same way). With
@@ -52,6 +59,20 @@ def comm_dtype(p: torch.Tensor) -> torch.dtype | None:
     (DeepSpeed's, set on autocast's lower-precision-safe modules); None when it has none."""
     dtype = getattr(p, "comm_dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _narrow_dtype(p: torch.Tensor) -> torch.dtype | None:
+    """The dtype `p` is gathered in for a pass: its ``comm_dtype`` when that is a narrower
+    floating dtype than its own, else None (gathered as it is)."""
+    comm = comm_dtype(p)
+    if comm is None or not p.is_floating_point() or not comm.is_floating_point:
+        return None
+    return comm if comm.itemsize < p.element_size() else None
+
+
+def _as(rows: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Gathered bytes as `dtype` (None: as bytes)."""
+    return rows if dtype is None else rows.view(dtype)
 
 
 class _GradGroup:
@@ -106,38 +127,41 @@ and the copy-out never holds more than this twice (a prefetch bucket of 5e7 fp32
 would otherwise hold 200 MB twice through a forward)."""
 
 
-def issue_gathers(units: Sequence[Unit]) -> None:
+def issue_gathers(units: Sequence[Unit], *, narrow: bool = False) -> None:
     """Start the all-gather of `units` (agreed with the other ranks first), small units
     together: a prefetch bucket of many small modules costs one collective's latency, not
-    one each."""
+    one each. `narrow`: for a pass, the parameters with a narrower ``comm_dtype`` in it."""
     fetch_shards(units)  # offloaded shards come back first
-    batch: list[Unit] = []
+    batch: list[tuple[Unit, bool]] = []
     held = 0
     for u in units:
         u.channel.count_live(0 if u.persistent else u.numel)
         if u.direct:
             u._show()
             continue
-        nbytes = u.channel.size * u.shard.numel()
+        wire = narrow and u.wire_bytes is not None
+        nbytes = u.channel.size * (u.wire_bytes if u.wire_bytes and wire else u.shard.numel())
         if batch and held + nbytes > _COALESCE_BYTES:
             _gather_together(batch)
             batch, held = [], 0
-        batch.append(u)
+        batch.append((u, wire))
         held += nbytes
     if batch:
         _gather_together(batch)
 
 
-def _gather_together(units: list[Unit]) -> None:
-    """One all-gather of `units`' shards laid side by side, left in flight."""
-    channel, device = units[0].channel, units[0].device
-    sources = [u.shard if u.shard.device == device else u.shard.to(device) for u in units]
+def _gather_together(units: list[tuple[Unit, bool]]) -> None:
+    """One all-gather of the shards (or, with the flag, the narrow wire copies) of `units`,
+    laid side by side, left in flight."""
+    channel, device = units[0][0].channel, units[0][0].device
+    sources = [u.wire() if wire else u.shard for u, wire in units]
+    sources = [t if t.device == device else t.to(device) for t in sources]
     source = sources[0] if len(sources) == 1 else torch.cat(sources)
     gathered = source.new_empty(channel.size * source.numel())
     handle = zcomm.all_gather_into_tensor(gathered, source, group=channel.group, async_op=True)
     gather, start = _Gather(handle, gathered, channel.size), 0
-    for u, part in zip(units, sources, strict=True):
-        u._pending = (gather, start)
+    for (u, wire), part in zip(units, sources, strict=True):
+        u._pending = (gather, start, wire)
         start += part.numel()
         u.status = _INFLIGHT
         for p in u.params:
@@ -164,7 +188,9 @@ class Unit:
         self.status = _NOT_AVAILABLE
         self.users: set[int] = set()  # ids of modules (and contexts) that need it gathered now
         self.persistent = False  # kept gathered all the time (never released)
-        self._pending: tuple[_Gather, int] | None = None  # the gather in flight, our offset
+        # the gather in flight: its rows, our offset in them, whether it carries the wire
+        self._pending: tuple[_Gather, int, bool] | None = None
+        self.narrowed = False  # the full buffer holds values gathered narrow (for a pass)
         self.numel = sum(int(p.ds_numel) for p in self.params)
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self._gathered_version = -1  # the shards' version at the last refresh
@@ -174,6 +200,8 @@ class Unit:
         self._build_shard()
         # one rank with the shard on the compute device: the shard is the full data
         self.direct = world == 1 and self.shard.device == device
+        self.narrow = [_narrow_dtype(p) for p in self.params]
+        self._build_wire()
         self._build_full()
         self.empties = [torch.empty(0, dtype=p.dtype, device=device) for p in self.params]
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
@@ -207,25 +235,61 @@ class Unit:
             p.ds_tensor = view
             watch(view)  # a fused optimizer's step must count as a change (_stepped.py)
 
+    def _build_wire(self) -> None:
+        """Where each parameter's chunk lies in the wire copy of the shard (in its narrow
+        dtype, if it has one); ``wire_bytes`` None: no parameter is gathered narrow."""
+        self.wire_bytes: int | None = None
+        self._wire_offsets: list[int] = []
+        if self.direct or not any(self.narrow):
+            return
+        end = 0
+        for p, c, narrow in zip(self.params, self.chunks, self.narrow, strict=True):
+            self._wire_offsets.append(end)
+            end = _aligned(end + c * (narrow or p.dtype).itemsize)
+        self.wire_bytes = end
+
+    def wire(self) -> torch.Tensor:
+        """The shard as a pass gathers it: the narrowed parameters' chunks cast down."""
+        assert self.wire_bytes is not None
+        wire = torch.empty(self.wire_bytes, dtype=torch.uint8, device=self.shard.device)
+        dsts, srcs = [], []
+        for p, c, narrow, off in zip(
+            self.params, self.chunks, self.narrow, self._wire_offsets, strict=True
+        ):
+            dtype = narrow or p.dtype
+            dsts.append(wire[off : off + c * dtype.itemsize].view(dtype))
+            srcs.append(p.ds_tensor)
+        torch._foreach_copy_(dsts, srcs)
+        return wire
+
     def _build_full(self) -> None:
-        """The full buffer and each parameter's full view of it (the shard itself when direct)."""
+        """The full buffer and each parameter's full view of it (the shard itself when direct),
+        and how a gather's rows are copied into it: as bytes, or from the wire, widening."""
         world = self.channel.size
+        self._copy_plan: list[tuple[torch.Tensor, int, int]] = []
+        self._wire_plan: list[tuple[torch.Tensor, int, int, torch.dtype | None]] = []
         if self.direct:
             self.full = self.shard
             self.views = [p.ds_tensor.view(p.ds_shape) for p in self.params]  # c == n with one rank
-            self._copy_plan: list[tuple[torch.Tensor, int, int]] = []
             return
         starts, end = [], 0
         for p, c in zip(self.params, self.chunks, strict=True):
             starts.append(end)
             end = _aligned(end + world * c * p.element_size())
         self.full = torch.empty(end, dtype=torch.uint8, device=self.device)
-        self.views, self._copy_plan = [], []
-        for p, c, start, off in zip(self.params, self.chunks, starts, self.offsets, strict=True):
+        self.views = []
+        for i, (p, c, start, off) in enumerate(
+            zip(self.params, self.chunks, starts, self.offsets, strict=True)
+        ):
             nbytes = c * p.element_size()
             block = self.full[start : start + world * nbytes]
             self.views.append(block.view(p.dtype)[: int(p.ds_numel)].view(p.ds_shape))
             self._copy_plan.append((block.view(world, nbytes), off, nbytes))
+            if self.wire_bytes is not None:
+                narrow = self.narrow[i]
+                dst = block.view(p.dtype).view(world, c) if narrow else block.view(world, nbytes)
+                wide = c * narrow.itemsize if narrow else nbytes
+                self._wire_plan.append((dst, self._wire_offsets[i], wide, narrow))
         self._full_bytes = end
         self.full.untyped_storage().resize_(0)
 
@@ -241,14 +305,35 @@ class Unit:
             return
         pending, self._pending = self._pending, None
         assert pending is not None
-        gather, start = pending
+        gather, start, wire = pending
         rows = gather.rows()
         self.full.untyped_storage().resize_(self._full_bytes)
-        torch._foreach_copy_(
-            [dst for dst, _, _ in self._copy_plan],
-            [rows[:, start + off : start + off + n] for _, off, n in self._copy_plan],
-        )
+        if wire:  # the narrowed chunks widen as they are copied
+            torch._foreach_copy_(
+                [dst for dst, _, _, _ in self._wire_plan],
+                [
+                    _as(rows[:, start + off : start + off + n], narrow)
+                    for _, off, n, narrow in self._wire_plan
+                ],
+            )
+        else:
+            torch._foreach_copy_(
+                [dst for dst, _, _ in self._copy_plan],
+                [rows[:, start + off : start + off + n] for _, off, n in self._copy_plan],
+            )
+        self.narrowed = wire
         self._show()
+
+    def make_exact(self) -> None:
+        """If the full buffer holds narrowed values (a pass gathered it), gather it again as
+        it is: for readers other than the forward and backward passes (``GatheredParameters``,
+        taking the hooks off). Agreed with the other ranks, which all hold it alike."""
+        if self.status is _INFLIGHT:
+            self.wait()
+        if self.status is _AVAILABLE and self.narrowed:
+            self.channel.agree(Kind.GATHER, [self.uid])
+            _gather_together([(self, False)])
+            self.wait()
 
     def _show(self) -> None:
         for p, view in zip(self.params, self.views, strict=True):
@@ -276,6 +361,7 @@ class Unit:
         else:
             self.full.untyped_storage().resize_(0)
         self.status = _NOT_AVAILABLE
+        self.narrowed = False
         self._gathered_version = -1  # a persistent unit released must be gathered again
         if self.store is not None:
             self.store.evict(self.shard)
