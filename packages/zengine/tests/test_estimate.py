@@ -1,4 +1,5 @@
-"""The ZeRO-3 memory estimate: bytes worked out by hand from DeepSpeed's formulas, the table."""
+"""The ZeRO-3 and ZeRO-2 memory estimates: bytes worked out by hand from DeepSpeed's formulas,
+the tables."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import zcomm
 from zengine._estimate import (
     MemoryEstimate,
     estimate_memory,
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
     estimate_zero3_model_states_mem_needs,
     estimate_zero3_model_states_mem_needs_all_cold,
     estimate_zero3_model_states_mem_needs_all_live,
@@ -185,3 +189,31 @@ def test_rows_are_frozen():
     with pytest.raises(AttributeError):
         row.per_gpu_bytes = 0  # type: ignore[misc]
     assert row.options() == "offload_param=cpu , offload_optimizer=cpu , zero_init=1"
+
+
+def test_zero2_bytes():
+    # offloaded: 2 bytes of 16-bit params on the GPU; max(4 x 4 GPUs, 16) x 1.5 on the host
+    assert estimate_zero2_model_states_mem_needs(1000, 4, 1, True) == (24000, 2000)
+    # not: 2 + 18 / 4 GPUs on each GPU; 4 bytes x 4 GPUs x 1.5 on the host
+    assert estimate_zero2_model_states_mem_needs(1000, 4, 1, False) == (24000, 6500)
+    assert estimate_zero2_model_states_mem_needs(1000, 1, 1, True, 1.0) == (16000, 2000)
+    with pytest.raises(ValueError, match="num_gpus_per_node"):
+        estimate_zero2_model_states_mem_needs(1000, 0)
+
+
+def test_zero2_tables(capsys):
+    # DeepSpeed 0.19.8 prints these figures (its offload option reads "OffloadDeviceEnum.cpu",
+    # an f-string slip; "cpu " is what its ZeRO-3 table writes)
+    estimate_zero2_model_states_mem_needs_all_cold(7_000_000_000, 8, 2, 1.2)
+    assert capsys.readouterr().out.splitlines() == [
+        "Estimated memory needed for params, optim states and gradients for a:",
+        "HW: Setup with 2 nodes, 8 GPUs per node.",
+        "SW: Model with 7000M total params.",
+        "  per CPU  |  per GPU |   Options",
+        "  500.68GB |  13.04GB | offload_optimizer=cpu ",
+        "  250.34GB |  20.37GB | offload_optimizer=none",
+    ]
+    estimate_zero2_model_states_mem_needs_all_live(_mlp(), 2)
+    live = capsys.readouterr().out
+    estimate_zero2_model_states_mem_needs_all_cold(325, 2)
+    assert live == capsys.readouterr().out

@@ -1,7 +1,9 @@
-"""How much memory ZeRO-3 model states (params, gradients, optimizer states) need per GPU and CPU.
+"""How much memory ZeRO-3 (and ZeRO-2) model states (params, gradients, optimizer states) need
+per GPU and CPU.
 
-DeepSpeed's estimator (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs*``)
-with the same names, formulas and printed table. It counts mixed-precision Adam: 2 bytes of
+DeepSpeed's estimators (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs*``
+and ``stage_1_and_2.estimate_zero2_model_states_mem_needs*``) with the same names, formulas and
+printed tables. For ZeRO-3 It counts mixed-precision Adam: 2 bytes of
 fp16/bf16 param and 2 of gradient, 12 of fp32 master weights and moments, plus 2 more for
 the fp16 gradient kept when offloaded, i.e. 18 bytes per parameter spread over the GPUs or
 held on the CPUs, and 4 bytes per parameter of the largest layer, which has to be gathered
@@ -23,6 +25,9 @@ import zcomm
 __all__ = [
     "MemoryEstimate",
     "estimate_memory",
+    "estimate_zero2_model_states_mem_needs",
+    "estimate_zero2_model_states_mem_needs_all_cold",
+    "estimate_zero2_model_states_mem_needs_all_live",
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",
@@ -300,3 +305,78 @@ def estimate_zero3_model_states_mem_needs_all_live(
         additional_buffer_factor,
     )
     _print_table(rows, total, largest, num_gpus_per_node, num_nodes)
+
+
+# -- ZeRO-2 ----------------------------------------------------------------------------------
+
+
+def estimate_zero2_model_states_mem_needs(
+    total_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int]:
+    """The model-state memory of one ZeRO-2 configuration, in bytes: ``(per_cpu_bytes,
+    per_gpu_bytes)``, in DeepSpeed's order. Every GPU holds the 16-bit parameters (2 bytes
+    each); without ``cpu_offload`` also its share of the 16-bit and fp32 gradients, fp32
+    masters and Adam's moments (18 bytes a parameter over the GPUs), with it those are on the
+    host (at least 16 bytes a parameter, 4 per GPU for the gradients' staging)."""
+    _check_args(
+        "estimate_zero2_model_states_mem_needs",
+        total_params,
+        0,
+        num_gpus_per_node,
+        num_nodes,
+        additional_buffer_factor,
+    )
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def estimate_zero2_model_states_mem_needs_all_cold(
+    total_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+) -> None:
+    """Print DeepSpeed's ZeRO-2 memory table for a model given by its parameter count (with
+    and without optimizer offload). Printed on rank 0 only when a process group is up."""
+    rows = [
+        estimate_zero2_model_states_mem_needs(
+            total_params, num_gpus_per_node, num_nodes, offload, additional_buffer_factor
+        )
+        for offload in (True, False)
+    ]
+    if zcomm.is_initialized() and zcomm.get_rank() != 0:
+        return
+    nodes = "nodes" if num_nodes > 1 else "node"
+    gpus = "GPUs" if num_gpus_per_node > 1 else "GPU"
+    lines = [
+        "Estimated memory needed for params, optim states and gradients for a:",
+        f"HW: Setup with {num_nodes} {nodes}, {num_gpus_per_node} {gpus} per node.",
+        f"SW: Model with {int(total_params / 1e6)}M total params.",
+        "  per CPU  |  per GPU |   Options",
+    ]
+    for (cpu, gpu), device in zip(rows, ("cpu ", "none"), strict=True):
+        lines.append(f" {cpu / _GB:7.2f}GB | {gpu / _GB:6.2f}GB | offload_optimizer={device}")
+    print("\n".join(lines))
+
+
+def estimate_zero2_model_states_mem_needs_all_live(
+    model: nn.Module,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+) -> None:
+    """Print DeepSpeed's ZeRO-2 memory table for `model` (shared parameters counted once)."""
+    total, _ = _model_params(model)
+    estimate_zero2_model_states_mem_needs_all_cold(
+        total, num_gpus_per_node, num_nodes, additional_buffer_factor
+    )

@@ -1,5 +1,6 @@
 """DeepSpeed's ``safe_get_*`` / ``safe_set_*``: a parameter's fp32 master, gradient and
-optimizer state, this rank's piece (``local``) or the whole (``full``, every rank must call).
+optimizer state, this rank's piece (``local``) or the whole (``full``, every rank must call);
+and its logging helpers (``logger``, ``log_dist``, ``print_dist``, ``see_memory_usage``).
 
 A parameter's piece lives in the ZeRO optimizer's flat partitions (see [Note: flat partitions]
 in _partitions.py). Parameters the optimizer does not hold (frozen ones) give None.
@@ -15,9 +16,13 @@ import torch
 import zcomm
 from zengine._partitions import Fragment
 from zengine._zero_optimizer import ZeroOptimizer
+from zengine.utils._logging import log_dist, logger, print_dist, see_memory_usage
 
 __all__ = [
     "RepeatingLoader",
+    "log_dist",
+    "logger",
+    "print_dist",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
@@ -30,6 +35,7 @@ __all__ = [
     "safe_set_local_fp32_param",
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "see_memory_usage",
 ]
 
 
