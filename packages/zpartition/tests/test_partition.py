@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -109,6 +109,19 @@ class TestParity(DistributedTest):
         data = batches(3, 8)
         handle = zpartition.partition(model, config=CONFIGS["per-module"])
         losses = _train(model, handle, data)
+        expected = reference_losses(reference, data, LR)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_a_compiled_model_matches_unpartitioned(self, world_size: int) -> None:
+        # the hooks run eagerly between the compiled graphs (they move the parameters' storage)
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        data = batches(3, 8)
+        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        compiled = cast("nn.Module", torch.compile(model))
+        losses = train_partitioned(compiled, handle.shard_parameters(), data, LR)
         expected = reference_losses(reference, data, LR)
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from zpartition._reduce import GradBucket, GradientSink, keep_local
 from zpartition._status import ZeroParamStatus
 from zpartition._unit import GradKey, Unit, _GradGroup
 
-__all__ = ["ModuleInfo", "State"]
+__all__ = ["ModuleInfo", "State", "eager"]
 
 _MAX_PENDING = 4
 """Root forwards before one backward that get traces of their own; later ones (a loop of
@@ -150,7 +150,7 @@ class State:
 
     def _install_module(self, info: ModuleInfo) -> None:
         module = info.module
-        info.pre_backward = self._pre_backward(info)
+        info.pre_backward = eager(self._pre_backward(info))
         self._hook_forward(info)
         module.__dict__["_zp_on_externals_changed"] = lambda: self._externals_changed(info)
         self.refresh_units(info)
@@ -160,9 +160,12 @@ class State:
         keep the place they had, before hooks added since the model was partitioned)."""
         module = info.module
         pre = self._begin_pass if module is self.root else None
+        # torch.compile runs the hooks as they are, between the graphs it makes of the
+        # modules' own computation: they move storage under the parameters, which a graph
+        # cannot hold (DeepSpeed keeps its hooks out of the compiler too)
         info.hooks = [
-            module.register_forward_pre_hook(self._pre_forward(info, pre), prepend=first),
-            module.register_forward_hook(self._post_forward(info), prepend=first),
+            module.register_forward_pre_hook(eager(self._pre_forward(info, pre)), prepend=first),
+            module.register_forward_hook(eager(self._post_forward(info)), prepend=first),
         ]
         self.handles += info.hooks
 
@@ -412,3 +415,11 @@ class State:
                     f"gathered with GatheredParameters. The error was: {error}"
                 )
         return None
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(hook: _F) -> _F:
+    """`hook`, run eagerly under torch.compile (a graph break around it)."""
+    return cast("_F", torch.compiler.disable(hook))  # type: ignore[no-untyped-call]

@@ -18,7 +18,7 @@ from zpartition._coordinator import Coordinator
 from zpartition._external import ParamDict
 from zpartition._gather import channel_for, new_unit
 from zpartition._gathered import GatheredParameters
-from zpartition._hooks import ModuleInfo, State
+from zpartition._hooks import ModuleInfo, State, eager
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
 from zpartition._param import (
     ZeroParameter,
@@ -284,7 +284,7 @@ def partition(
     state.units = [u for u in units if u.trainable]
     if persistent is not None and persistent.trainable:
         state.units.append(persistent)
-    reader = state.read
+    reader = eager(state.read)  # a read through another module's attribute gathers
     for info in infos.values():
         m = info.module
         if not isinstance(m._parameters, ParamDict):
