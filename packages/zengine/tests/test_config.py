@@ -636,7 +636,7 @@ def test_communication_data_type_is_the_reduction_dtype() -> None:
         ({"optimizer": {"params": {}}}, "optimizer.type: required, but not given"),
         (
             {"optimizer": {"type": 3}},
-            "optimizer.type: expected 'Adam', 'AdamW', 'SGD' or 'Adagrad', got 3",
+            "optimizer.type: expected 'Adam', 'AdamW', 'SGD', 'Adagrad' or 'Lion', got 3",
         ),
         (
             {"optimizer": {"type": "Adam", "params": []}},
@@ -700,14 +700,14 @@ def test_unknown_optimizer_suggests_the_closest() -> None:
     config = {"train_batch_size": 1, "optimizer": {"type": "Adamw8bit"}}
     assert _problems(config) == [
         "optimizer.type: unknown optimizer 'Adamw8bit'; did you mean 'AdamW'? "
-        "(supported: Adam, AdamW, SGD, Adagrad)"
+        "(supported: Adam, AdamW, SGD, Adagrad, Lion)"
     ]
 
 
 def test_unknown_optimizer_without_a_close_match() -> None:
     config = {"train_batch_size": 1, "optimizer": {"type": "Lamb"}}
     assert _problems(config) == [
-        "optimizer.type: unknown optimizer 'Lamb' (supported: Adam, AdamW, SGD, Adagrad)"
+        "optimizer.type: unknown optimizer 'Lamb' (supported: Adam, AdamW, SGD, Adagrad, Lion)"
     ]
 
 
@@ -766,7 +766,7 @@ def test_every_problem_is_reported_at_once() -> None:
     }
     assert _problems(config, world_size=2) == [
         "optimizer.type: unknown optimizer 'Adamm'; did you mean 'Adam'? "
-        "(supported: Adam, AdamW, SGD, Adagrad)",
+        "(supported: Adam, AdamW, SGD, Adagrad, Lion)",
         "zero_optimization.stage: must be 0, 1, 2 or 3, got 4",
         "zero_optimization.reduce_bucket_size: must be >= 0, got -5",
         "zero_optimization.offload_param.nvme_path: required when device is 'nvme'",

@@ -14,6 +14,7 @@ import zengine
 from zcomm.testing import DistributedTest
 from zengine.ops.adagrad import DeepSpeedCPUAdagrad
 from zengine.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from zengine.ops.lion import DeepSpeedCPULion, FusedLion
 
 from ._models import TinyGPT, global_batches, plain_losses
 from .test_engine import LR, _config, _train
@@ -114,3 +115,67 @@ class TestAsTheEnginesOptimizer(DistributedTest):
         expected = plain_losses(reference, data, lr=LR)
         torch.testing.assert_close(_train(engine, data), expected, rtol=1e-5, atol=0)
         engine.destroy()
+
+
+def _lion_written_out(lr: float, decay: float) -> Callable[[list[Any]], Any]:
+    """Lion as the paper writes it: p (1 - lr wd) - lr sign(b1 m + (1 - b1) g)."""
+
+    class Plain:
+        def __init__(self, params: list[torch.nn.Parameter]) -> None:
+            self.p = params[0]
+            self.m = torch.zeros_like(self.p)
+
+        def step(self) -> None:
+            g = self.p.grad
+            assert g is not None
+            c = 0.9 * self.m + 0.1 * g
+            self.p.data = self.p.data * (1 - lr * decay) - lr * torch.sign(c)
+            self.m = 0.999 * self.m + 0.001 * g
+
+    return Plain
+
+
+@pytest.mark.parametrize("cls", [FusedLion, DeepSpeedCPULion])
+def test_lion_is_the_papers(cls: Any) -> None:
+    ours = _steps(lambda ps: cls(ps, lr=0.01, weight_decay=0.1))
+    torch.testing.assert_close(ours, _steps(_lion_written_out(0.01, 0.1)), rtol=1e-6, atol=1e-7)
+    # a zero update leaves the parameter where it is (DeepSpeed's kernel adds lr there)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.zeros(3)
+    cls([p], lr=0.5).step()
+    assert torch.equal(p.detach(), torch.ones(3))
+
+
+class TestLionFromTheConfig(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    @pytest.mark.parametrize("stage", [0, 2, 3])
+    def test_losses_follow_plain_lion(self, world_size: int, stage: int) -> None:
+        # "type": "Lion" builds FusedLion; elementwise, it steps flat partitions as it steps
+        # the parameters
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        cfg = _config(
+            stage, optimizer={"type": "lion", "params": {"lr": 1e-3, "weight_decay": 0.1}}
+        )
+        engine, optimizer, *_ = zengine.initialize(model=model, config=cfg)
+        assert isinstance(optimizer.optimizer, FusedLion)
+        data = global_batches(4, 2 * world_size)
+        opt = FusedLion(reference.parameters(), lr=1e-3, weight_decay=0.1)
+        expected = []
+        for tokens in data:
+            loss = reference(tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            expected.append(loss.item())
+        torch.testing.assert_close(_train(engine, data), expected, rtol=1e-5, atol=0)
+        engine.destroy()
+
+
+def test_an_optimizer_of_matrices_is_refused_by_name() -> None:
+    # the engine steps flat partitions: Muon would fail at its first step, mid-training
+    model = torch.nn.Linear(4, 4, bias=False)
+    muon = torch.optim.Muon(model.parameters())
+    with pytest.raises(ValueError, match="Muon updates each parameter as a matrix"):
+        zengine.initialize(model=model, optimizer=muon, config={"train_batch_size": 1})

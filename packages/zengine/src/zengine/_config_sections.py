@@ -46,7 +46,7 @@ __all__ = [
     "as_switch",
 ]
 
-OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
+OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "OneCycle")
 # DeepSpeed's Adam options, which torch's optimizers do not take: the engine reads, then drops them.
 _DEEPSPEED_OPTIMIZER_OPTIONS = frozenset({"torch_adam", "adam_w_mode"})
@@ -132,7 +132,7 @@ class _Section(BaseModel):
 class OptimizerConfig(_Section):
     """``optimizer``: which torch optimizer the engine builds, and its keyword arguments."""
 
-    type: Literal["Adam", "AdamW", "SGD", "Adagrad"]
+    type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lion"]
     """The optimizer, spelled canonically; DeepSpeed's spelling is matched case-insensitively."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the torch optimizer (``lr``, ``betas``, ``weight_decay``, ...), as

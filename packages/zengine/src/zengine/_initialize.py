@@ -31,6 +31,7 @@ from zengine._offload_optimizer import NvmeStateSwapper
 from zengine._offload_param import NvmeShardStore
 from zengine._unused_params import is_optimized
 from zengine._zero_optimizer import LossScaler, ZeroOptimizer
+from zengine.ops.lion import FusedLion
 
 __all__ = ["initialize"]
 
@@ -39,6 +40,7 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "sgd": torch.optim.SGD,
     "adagrad": torch.optim.Adagrad,
+    "lion": FusedLion,
 }
 _DEEPSPEED_ONLY = ("torch_adam", "adam_w_mode", "fused")  # optimizer params torch does not take
 
@@ -345,6 +347,7 @@ def _optimizer_factory(
 ) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None:
     """What builds the optimizer over the masters' groups; None when there is no optimizer."""
     if isinstance(optimizer, torch.optim.Optimizer):
+        _check_elementwise(optimizer)
         return lambda groups: _repoint(optimizer, groups)
     if optimizer is not None:
         if not callable(optimizer):
@@ -373,6 +376,24 @@ def _optimizer_factory(
     fused = bool(given.get("fused", not loop))
     adam = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
     return lambda groups: adam(groups, **params, fused=fused and _fusable(groups))
+
+
+# optimizers whose update reads a parameter's shape (torch's Muon orthogonalizes matrices):
+# they cannot step flat partitions
+_SHAPED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls for cls in (getattr(torch.optim, "Muon", None),) if cls is not None
+)
+
+
+def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before anything changes, an optimizer that needs the parameters' shapes: the
+    engine steps flat partitions of them (one tensor per group)."""
+    if isinstance(optimizer, _SHAPED_OPTIMIZERS):
+        raise ValueError(
+            f"initialize(optimizer=...): {type(optimizer).__name__} updates each parameter as "
+            "a matrix, but the engine steps flat partitions of the parameters, one tensor per "
+            "group; use an elementwise optimizer (Adam, AdamW, SGD, Adagrad, Lion)"
+        )
 
 
 def _fusable(groups: list[dict[str, Any]]) -> bool:
