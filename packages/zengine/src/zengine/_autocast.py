@@ -4,8 +4,10 @@ The parameters, the masters and the optimizer state stay in the model's dtype (f
 engine runs the model's forward under ``torch.autocast``, and the gradients of the modules
 listed as lower-precision safe (Linear and Conv by default) may be reduced in the autocast
 dtype: each of their parameters gets a ``comm_dtype`` attribute, which the gradient buckets
-of every stage read (zpartition's at stage 3). With fp16, the loss is scaled dynamically, by
-torch's GradScaler rules (`autocast_loss_scaler`).
+of every stage read (zpartition's at stage 3, which also all-gathers those parameters in it
+for the forward and backward passes: the values autocast computes with, in half the bytes).
+With fp16, the loss is scaled dynamically, by torch's GradScaler rules
+(`autocast_loss_scaler`).
 
 An autocast the caller opened around ``engine(x)`` is left as it is when the section is off
 (DeepSpeed turns it off inside the engine, with a warning), and overridden by the section's
@@ -27,6 +29,7 @@ from zengine._loss_scaler import DynamicLossScaler
 
 __all__ = [
     "COMM_DTYPE_ATTR",
+    "autocast_dtype",
     "autocast_loss_scaler",
     "forward_autocast",
     "get_comm_dtype",

@@ -3,7 +3,7 @@ per GPU and CPU.
 
 DeepSpeed's estimators (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs*``
 and ``stage_1_and_2.estimate_zero2_model_states_mem_needs*``) with the same names, formulas and
-printed tables. For ZeRO-3 It counts mixed-precision Adam: 2 bytes of
+printed tables. For ZeRO-3 it counts mixed-precision Adam: 2 bytes of
 fp16/bf16 param and 2 of gradient, 12 of fp32 master weights and moments, plus 2 more for
 the fp16 gradient kept when offloaded, i.e. 18 bytes per parameter spread over the GPUs or
 held on the CPUs, and 4 bytes per parameter of the largest layer, which has to be gathered

@@ -140,7 +140,10 @@ def configure(
     _settings = given
 
 
-def _section(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> Any:
+def _section(
+    config: Mapping[str, Any] | str | os.PathLike[str] | None,
+) -> ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section of a DeepSpeed config (a dict or JSON path)."""
     if config is None:
         return ActivationCheckpointingConfig()
     try:

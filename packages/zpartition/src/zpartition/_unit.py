@@ -139,12 +139,12 @@ def issue_gathers(units: Sequence[Unit], *, narrow: bool = False) -> None:
         if u.direct:
             u._show()
             continue
-        wire = narrow and u.wire_bytes is not None
-        nbytes = u.channel.size * (u.wire_bytes if u.wire_bytes and wire else u.shard.numel())
+        wire_bytes = u.wire_bytes if narrow else None  # None: the shard goes as it is
+        nbytes = u.channel.size * (wire_bytes or u.shard.numel())
         if batch and held + nbytes > _COALESCE_BYTES:
             _gather_together(batch)
             batch, held = [], 0
-        batch.append((u, wire))
+        batch.append((u, wire_bytes is not None))
         held += nbytes
     if batch:
         _gather_together(batch)
@@ -288,8 +288,8 @@ class Unit:
             if self.wire_bytes is not None:
                 narrow = self.narrow[i]
                 dst = block.view(p.dtype).view(world, c) if narrow else block.view(world, nbytes)
-                wide = c * narrow.itemsize if narrow else nbytes
-                self._wire_plan.append((dst, self._wire_offsets[i], wide, narrow))
+                sent = c * narrow.itemsize if narrow else nbytes  # its bytes on the wire
+                self._wire_plan.append((dst, self._wire_offsets[i], sent, narrow))
         self._full_bytes = end
         self.full.untyped_storage().resize_(0)
 
