@@ -421,5 +421,15 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def eager(hook: _F) -> _F:
-    """`hook`, run eagerly under torch.compile (a graph break around it)."""
-    return cast("_F", torch.compiler.disable(hook))  # type: ignore[no-untyped-call]
+    """`hook`, run eagerly under torch.compile (a graph break around it). Outside the
+    compiler it is called straight: torch.compiler.disable's wrapper costs eight Python calls
+    a call, 8 thousand a step for a model of 400 modules; `is_compiling` is one C call, and
+    the compiler, tracing it as True, meets the disabled call instead."""
+    disabled = torch.compiler.disable(hook)  # type: ignore[no-untyped-call]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return hook(*args, **kwargs)
+
+    return cast("_F", run)
