@@ -231,8 +231,10 @@ def _cut(
     A bucket is reduced in its parameters' ``comm_dtype`` when they share one (autocast's
     lower-precision-safe modules), else in `dtype`. A group cut into several buckets is also
     cut where the ``comm_dtype`` changes, so its all-reduces carry each run in its own dtype;
-    a group that is one bucket stays one: its reduce-scatter in `dtype` moves no more bytes
-    than all-reduces of the narrower runs would, in fewer collectives."""
+    a group that is one bucket stays one, reduced in `dtype`: at stages 1 and 2 its
+    reduce-scatter moves no more bytes than all-reduces of the narrower runs would; at stage 0
+    (an all-reduce) the runs would move fewer bytes, in a collective per run (a transformer
+    alternates Linear and LayerNorm), which is left to ``reduce_bucket_size`` to choose."""
     comms = [get_comm_dtype(p) if has_comm_dtype(p) else dtype for p, _ in pairs]
     split = flat.numel() > size and len(set(comms)) > 1
     buckets: list[_Bucket] = []
