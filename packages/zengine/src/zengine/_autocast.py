@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,14 +67,13 @@ def autocast_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype | Non
     return _TORCH_DTYPES[section.dtype]
 
 
-@contextlib.contextmanager
-def forward_autocast(dtype: torch.dtype | None, device: torch.device) -> Iterator[None]:
+def forward_autocast(
+    dtype: torch.dtype | None, device: torch.device
+) -> contextlib.AbstractContextManager[Any]:
     """The context a forward runs in: ``torch.autocast`` in `dtype`, or nothing (None)."""
     if dtype is None:
-        yield
-        return
-    with torch.autocast(device_type=device.type, dtype=dtype):
-        yield
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def safe_module_classes(names: Sequence[str] | None) -> tuple[type[nn.Module], ...]:

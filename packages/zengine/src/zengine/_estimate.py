@@ -237,12 +237,11 @@ def estimate_memory(
 
 
 def _print_table(
-    rows: list[MemoryEstimate],
-    total_params: int,
-    largest_layer_params: int,
-    num_gpus_per_node: int,
-    num_nodes: int,
+    model: str, rows: list[tuple[int, int, str]], num_gpus_per_node: int, num_nodes: int
 ) -> None:
+    """DeepSpeed's table: the setup, `model` (what the SW line says after "Model with"), and
+    a line per (per-CPU bytes, per-GPU bytes, options) row; on rank 0 only when a process
+    group is up."""
     if zcomm.is_initialized() and zcomm.get_rank() != 0:
         return
     nodes = "nodes" if num_nodes > 1 else "node"
@@ -250,15 +249,26 @@ def _print_table(
     lines = [
         "Estimated memory needed for params, optim states and gradients for a:",
         f"HW: Setup with {num_nodes} {nodes}, {num_gpus_per_node} {gpus} per node.",
-        f"SW: Model with {int(total_params / 1e6)}M total params, "
-        f"{int(largest_layer_params / 1e6)}M largest layer params.",
+        f"SW: Model with {model}.",
         "  per CPU  |  per GPU |   Options",
     ]
-    lines += [
-        f" {row.per_cpu_bytes / _GB:7.2f}GB | {row.per_gpu_bytes / _GB:6.2f}GB | {row.options()}"
-        for row in rows
-    ]
+    lines += [f" {cpu / _GB:7.2f}GB | {gpu / _GB:6.2f}GB | {options}" for cpu, gpu, options in rows]
     print("\n".join(lines))
+
+
+def _print_zero3_table(
+    rows: list[MemoryEstimate],
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int,
+    num_nodes: int,
+) -> None:
+    model = (
+        f"{int(total_params / 1e6)}M total params, "
+        f"{int(largest_layer_params / 1e6)}M largest layer params"
+    )
+    table = [(row.per_cpu_bytes, row.per_gpu_bytes, row.options()) for row in rows]
+    _print_table(model, table, num_gpus_per_node, num_nodes)
 
 
 def estimate_zero3_model_states_mem_needs_all_cold(
@@ -282,7 +292,7 @@ def estimate_zero3_model_states_mem_needs_all_cold(
         num_nodes,
         additional_buffer_factor,
     )
-    _print_table(rows, total_params, largest_layer_params, num_gpus_per_node, num_nodes)
+    _print_zero3_table(rows, total_params, largest_layer_params, num_gpus_per_node, num_nodes)
 
 
 def estimate_zero3_model_states_mem_needs_all_live(
@@ -304,7 +314,7 @@ def estimate_zero3_model_states_mem_needs_all_live(
         num_nodes,
         additional_buffer_factor,
     )
-    _print_table(rows, total, largest, num_gpus_per_node, num_nodes)
+    _print_zero3_table(rows, total, largest, num_gpus_per_node, num_nodes)
 
 
 # -- ZeRO-2 ----------------------------------------------------------------------------------
@@ -349,24 +359,16 @@ def estimate_zero2_model_states_mem_needs_all_cold(
     """Print DeepSpeed's ZeRO-2 memory table for a model given by its parameter count (with
     and without optimizer offload). Printed on rank 0 only when a process group is up."""
     rows = [
-        estimate_zero2_model_states_mem_needs(
-            total_params, num_gpus_per_node, num_nodes, offload, additional_buffer_factor
+        (
+            *estimate_zero2_model_states_mem_needs(
+                total_params, num_gpus_per_node, num_nodes, offload, additional_buffer_factor
+            ),
+            f"offload_optimizer={'cpu ' if offload else 'none'}",
         )
         for offload in (True, False)
     ]
-    if zcomm.is_initialized() and zcomm.get_rank() != 0:
-        return
-    nodes = "nodes" if num_nodes > 1 else "node"
-    gpus = "GPUs" if num_gpus_per_node > 1 else "GPU"
-    lines = [
-        "Estimated memory needed for params, optim states and gradients for a:",
-        f"HW: Setup with {num_nodes} {nodes}, {num_gpus_per_node} {gpus} per node.",
-        f"SW: Model with {int(total_params / 1e6)}M total params.",
-        "  per CPU  |  per GPU |   Options",
-    ]
-    for (cpu, gpu), device in zip(rows, ("cpu ", "none"), strict=True):
-        lines.append(f" {cpu / _GB:7.2f}GB | {gpu / _GB:6.2f}GB | offload_optimizer={device}")
-    print("\n".join(lines))
+    model = f"{int(total_params / 1e6)}M total params"
+    _print_table(model, rows, num_gpus_per_node, num_nodes)
 
 
 def estimate_zero2_model_states_mem_needs_all_live(

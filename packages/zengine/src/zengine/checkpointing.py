@@ -131,7 +131,7 @@ def configure(
         )
     size = _model_parallel_size(mpu_)
     if given.partition and size > 1:
-        raise NotImplementedError(
+        raise ValueError(
             f"checkpointing.configure: partition_activations over a model-parallel group of "
             f"{size} ranks: zstack has no model parallelism to split activations over; set "
             "partition_activations false"
