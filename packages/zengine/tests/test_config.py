@@ -155,6 +155,12 @@ def test_seed_config_loads() -> None:
     assert config.dtype == torch.float16
 
 
+def test_steps_per_print_inf_means_never() -> None:
+    """Accelerate sets ``steps_per_print: inf`` to keep DeepSpeed quiet; DeepSpeed takes it."""
+    config = load_config({"train_batch_size": 1, "steps_per_print": float("inf")}, world_size=1)
+    assert config.steps_per_print == float("inf")
+
+
 def test_seed_config_with_bf16_loads() -> None:
     config = {**SEED_CONFIG, "bf16": {"enabled": True}}
     del config["fp16"]
@@ -624,8 +630,12 @@ def test_communication_data_type_is_the_reduction_dtype() -> None:
 @pytest.mark.parametrize(
     ("config", "problem"),
     [
-        ({"steps_per_print": "10"}, "steps_per_print: expected an integer, got '10'"),
+        (
+            {"steps_per_print": "10"},
+            "steps_per_print: expected an integer or inf (never), got '10'",
+        ),
         ({"steps_per_print": 0}, "steps_per_print: must be >= 1, got 0"),
+        ({"steps_per_print": 2.5}, "steps_per_print: expected an integer or inf (never), got 2.5"),
         ({"gradient_clipping": "1.0"}, "gradient_clipping: expected a number, got '1.0'"),
         ({"gradient_clipping": -1.0}, "gradient_clipping: must be >= 0, got -1.0"),
         ({"wall_clock_breakdown": 2}, "wall_clock_breakdown: expected true or false, got 2"),

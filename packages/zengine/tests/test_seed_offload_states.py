@@ -15,7 +15,7 @@ from zcomm import get_accelerator
 import torch
 
 from zcomm.testing import DistributedTest
-from ._simple_model import random_dataloader, SimpleModel
+from zengine.testing import random_dataloader, SimpleModel
 
 import zengine as deepspeed
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum

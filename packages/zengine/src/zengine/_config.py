@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,10 +17,10 @@ from typing import Annotated, Any, Literal
 
 import hjson  # type: ignore[import-untyped]
 import torch
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 
 from zengine._config_deepspeed import keys_at, set_aside
-from zengine._config_errors import ConfigError, describe_validation_error
+from zengine._config_errors import ConfigError, config_error, describe_validation_error, show
 from zengine._config_sections import (
     AioConfig,
     BF16Config,
@@ -55,8 +56,17 @@ _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfl
 class _Sections(_Section):
     """Every key but the three batch sizes, whose resolved and given forms differ."""
 
-    steps_per_print: int = Field(default=10, ge=1)
-    """Log progress every this many optimizer steps."""
+    steps_per_print: int | float = Field(default=10, ge=1)
+    """Log progress every this many optimizer steps; ``inf`` never (Accelerate sets it so to
+    keep DeepSpeed quiet)."""
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _whole_or_never(cls, value: object) -> object:
+        if value == math.inf or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise config_error(f"expected an integer or inf (never), got {show(value)}")
+
     gradient_clipping: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """Clip the global gradient norm to this; 0 turns clipping off."""
     optimizer: OptimizerConfig | None = None

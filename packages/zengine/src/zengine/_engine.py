@@ -247,8 +247,9 @@ class Engine(nn.Module):
         """The global norm gradients are clipped to (0: no clipping)."""
         return float(self.config.gradient_clipping)
 
-    def steps_per_print(self) -> int:
-        return int(self.config.steps_per_print)
+    def steps_per_print(self) -> int | float:
+        """Optimizer steps between progress lines (``inf``: none)."""
+        return self.config.steps_per_print
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the parameters: False between accumulation

@@ -48,7 +48,7 @@ class Progress:
 
     def __init__(self, engine: Any, config: Any) -> None:
         self.engine = engine
-        self.every = max(int(config.steps_per_print), 1)
+        self.every: int | float = config.steps_per_print  # inf: never
         self.breakdown = bool(config.wall_clock_breakdown)
         self.times: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.loss_sum: torch.Tensor | None = None  # since the last line, on the device

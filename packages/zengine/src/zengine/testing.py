@@ -1,5 +1,7 @@
-"""DeepSpeed's tests/unit/simple_model.py helpers the seeds import (SimpleModel,
-random_dataset, random_dataloader), with the same behaviour."""
+"""DeepSpeed's test helpers from its ``tests/unit/simple_model.py`` (`SimpleModel`,
+`random_dataset`, `random_dataloader`), with the same behaviour, for tests written against
+DeepSpeed: ``from zengine.testing import SimpleModel`` stands in for
+``from unit.simple_model import SimpleModel``."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import Any
 import torch
 
 from zcomm.testing import preferred_dtype
+
+__all__ = ["SimpleModel", "random_dataloader", "random_dataset"]
 
 
 class SimpleModel(torch.nn.Module):

@@ -1,0 +1,25 @@
+"""``deepspeed.runtime``: the engine, LR schedules, ZeRO and pipeline modules, on zengine.
+
+Its submodules are imported here, as DeepSpeed's package imports them, so attribute paths such
+as ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` work after a bare ``import deepspeed``.
+"""
+
+from deepspeed.runtime import (
+    activation_checkpointing,
+    engine,
+    lr_schedules,
+    pipe,
+    sequence_parallel,
+    utils,
+    zero,
+)
+
+__all__ = [
+    "activation_checkpointing",
+    "engine",
+    "lr_schedules",
+    "pipe",
+    "sequence_parallel",
+    "utils",
+    "zero",
+]

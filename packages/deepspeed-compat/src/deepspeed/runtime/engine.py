@@ -1,0 +1,5 @@
+"""``deepspeed.runtime.engine``: zengine's engine is DeepSpeed's ``DeepSpeedEngine``."""
+
+from zengine import Engine as DeepSpeedEngine
+
+__all__ = ["DeepSpeedEngine"]

@@ -1,0 +1,1 @@
+"""DeepSpeed's ``tests/unit`` helper modules, so DeepSpeed's own tests import them unchanged."""
