@@ -1015,3 +1015,22 @@ def test_deepspeeds_other_dtype_spellings() -> None:
         "stages 0-2 accumulate gradients in one of those, another dtype works at stage 3 only "
         "(the stage is 0)"
     ]
+
+
+def test_config_reads_like_deepspeeds_dict() -> None:
+    """DeepSpeed's ``engine.config`` is the config dict; Transformers' Trainer reads
+    ``engine.config.get("zero_optimization", {}).get("stage")``, so the sections answer dict
+    reads by DeepSpeed's keys (aliases too), defaults filled in."""
+    config = load_config(
+        {"train_batch_size": 2, "zero_optimization": {"stage": 3}, "bfloat16": {"enabled": True}},
+        world_size=1,
+    )
+    assert config.get("zero_optimization", {}).get("stage", None) == 3
+    assert config["train_batch_size"] == 2
+    assert config.get("bfloat16").get("enabled") is True  # DeepSpeed's older name of bf16
+    assert config.get("optimizer", {}) == {}  # not given
+    assert "optimizer" not in config
+    assert "zero_optimization" in config
+    assert config.get("no_such_key") is None
+    with pytest.raises(KeyError, match="no_such_key"):
+        config["no_such_key"]

@@ -128,6 +128,36 @@ def _check_stage(stage: int) -> int:
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
 
+    # DeepSpeed's ``engine.config`` is the config dict, and Transformers and TRL read it as one
+    # (``engine.config.get("zero_optimization", {}).get("stage")``): a section answers the
+    # same reads by DeepSpeed's key, with the validated value (defaults filled in).
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of DeepSpeed's `key` here (`default` when it has none), as ``dict.get``."""
+        name = self._field_of(key)
+        value = None if name is None else getattr(self, name)
+        return default if value is None else value
+
+    def __getitem__(self, key: str) -> Any:
+        if self._field_of(key) is None:
+            raise KeyError(key)
+        return self.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.get(key) is not None
+
+    @classmethod
+    def _field_of(cls, key: str) -> str | None:
+        if key in cls.model_fields:
+            return key
+        for name, field in cls.model_fields.items():
+            aliases = field.validation_alias
+            if isinstance(aliases, AliasChoices) and key in aliases.choices:
+                return name
+            if field.alias == key:
+                return name
+        return None
+
 
 class OptimizerConfig(_Section):
     """``optimizer``: which torch optimizer the engine builds, and its keyword arguments."""

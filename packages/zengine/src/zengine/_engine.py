@@ -249,7 +249,8 @@ class Engine(nn.Module):
 
     def steps_per_print(self) -> int | float:
         """Optimizer steps between progress lines (``inf``: none)."""
-        return self.config.steps_per_print
+        every: int | float = self.config.steps_per_print
+        return every
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the parameters: False between accumulation

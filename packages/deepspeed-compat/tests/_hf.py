@@ -1,0 +1,108 @@
+"""Tiny Hugging Face models built from configs (nothing downloaded), and runs of scripts under
+``torchrun``, for the compatibility package's tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["SCRIPTS", "save_tiny_model", "tiny_config", "token_batches", "torchrun"]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+VOCAB = 128
+
+
+def tiny_config(kind: str = "llama") -> Any:
+    """A few-layer config of `kind` ("llama", "gpt2", "t5", "mixtral", "bert")."""
+    import transformers
+
+    common: dict[str, Any] = {"vocab_size": VOCAB}
+    if kind == "llama":
+        return transformers.LlamaConfig(
+            **common,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    if kind == "gpt2":
+        return transformers.GPT2Config(**common, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(
+            **common,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+        )
+    if kind == "t5":
+        return transformers.T5Config(
+            **common, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4
+        )
+    if kind == "bert":
+        return transformers.BertConfig(
+            **common,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            pad_token_id=0,
+        )
+    raise ValueError(f"tiny_config: unknown kind {kind!r}")
+
+
+def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
+    """A causal LM of `kind` with seeded weights, saved (safetensors) to `path`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind))
+    model.save_pretrained(path)
+    return path
+
+
+def token_batches(count: int, batch: int, length: int = 16, seed: int = 0) -> torch.Tensor:
+    """`count` x `batch` sequences of random token ids, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (count, batch, length), generator=generator)
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> dict[str, Any]:
+    """Run ``scripts/<script>`` under ``torchrun --nproc-per-node <nproc>``; it writes what rank
+    0 found as JSON to the file named by ``ZSTACK_RESULT``, which is returned. A failure raises
+    with the ranks' output."""
+    result = Path(args[0]) / f"{Path(script).stem}.json" if args else None
+    assert result is not None, "torchrun: the first argument is the run's directory"
+    env = {**os.environ, "ZSTACK_RESULT": str(result), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--standalone",
+        str(SCRIPTS / script),
+        *args,
+    ]
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if done.returncode != 0 or not result.exists():
+        raise AssertionError(
+            f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-6000:]}\n"
+            f"{done.stderr[-12000:]}"
+        )
+    loaded: dict[str, Any] = json.loads(result.read_text())
+    return loaded
