@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 import transformers
+from _scenario import TokenDataset, use_deepspeed_state, write_result
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
-
-from _common import TokenDataset, use_deepspeed_state, write_result
 
 RUN_DIR, MODEL_DIR = Path(sys.argv[1]), Path(sys.argv[2])
 ACCUMULATION = 2

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 import transformers
-
-from _common import TokenDataset, use_deepspeed_state, write_result
+from _scenario import TokenDataset, use_deepspeed_state, write_result
 
 RUN_DIR, MODEL_DIR = Path(sys.argv[1]), Path(sys.argv[2])
 
