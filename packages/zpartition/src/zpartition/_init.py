@@ -6,8 +6,10 @@ full parameters), that module's own parameters are made equal across ranks (rank
 broadcast per module) and cut into shards. Children were cut when their own ``__init__`` returned,
 so at any moment at most one module's parameters exist in full. ``nn.Module.apply`` gathers each
 module's parameters around the function it runs (rank 0's results kept), as DeepSpeed's, so a
-parent that initializes its children's weights in its ``__init__`` reaches them. The wrappers are
-removed on exit.
+parent that initializes its children's weights in its ``__init__`` reaches them. Other writes
+after a child was cut (Hugging Face's ``post_init``, with a recursion of its own) are gathered by
+a torch function mode while the context is entered: see `_init_writes`. The wrappers are removed
+and the mode popped on exit.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 import zcomm
 from zpartition._gather import channel_for, new_unit
 from zpartition._gathered import GatheredParameters
+from zpartition._init_writes import let_go, start, stop, suspended
 from zpartition._partitioned import convert_module
 
 __all__ = ["Init"]
@@ -47,7 +50,7 @@ def _gathering(fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
     def run(module: nn.Module) -> None:
         params = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
         with GatheredParameters(params, modifier_rank=0):
-            fn(module)
+            fn(module)  # its writes to other modules' parameters: see _init_writes
 
     run._zp_gathering = True  # type: ignore[attr-defined]
     return run
@@ -85,6 +88,7 @@ def _wrap(cls: type) -> None:
         if depth == 0:
             del self.__dict__["_zp_init_depth"]
             if _active:
+                let_go()  # what the __init__ wrote to parameters already cut is kept now
                 _active[-1]._partition(self)
 
     _wrapped[cls] = original
@@ -197,6 +201,7 @@ class Init:
         if self.enabled:
             if not _active:
                 _patch()
+                start()  # the write mode: see _init_writes
             _active.append(self)
         return self
 
@@ -210,9 +215,16 @@ class Init:
             return
         _active.remove(self)
         if not _active:
-            _unpatch()
+            try:
+                stop(exc_type)
+            finally:
+                _unpatch()
 
     def _partition(self, module: nn.Module) -> None:
+        with suspended():  # the cut is zpartition's own work, not a write
+            self._cut(module)
+
+    def _cut(self, module: nn.Module) -> None:
         compute = zcomm.get_accelerator().device() if torch.cuda.is_available() else None
         for p in module.parameters(recurse=False):
             if compute is not None and not hasattr(p, "ds_id"):
