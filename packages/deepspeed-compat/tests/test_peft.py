@@ -33,6 +33,16 @@ def test_lora_at_zero3_trains_and_equals_lora_without_deepspeed(runs: dict[str, 
     assert losses == pytest.approx(runs["plain"]["losses"], rel=1e-5, abs=0)
 
 
+def test_resume_from_a_checkpoint_without_the_frozen_base(runs: dict[str, Any]) -> None:
+    """The Trainer saves PEFT's ZeRO-3 checkpoints without the frozen base
+    (``exclude_frozen_parameters``) and loads them with ``load_module_strict=False``: the
+    resumed steps 3 and 4 equal the uninterrupted run's."""
+    global_step = Path(runs["zero3_saving"]["adapter"]).parent / "checkpoint-2" / "global_step2"
+    assert global_step.is_dir()
+    assert runs["zero3_resumed"]["losses"] == runs["zero3_saving"]["losses"]
+    assert runs["zero3_saving"]["losses"] == runs["zero3"]["losses"]
+
+
 def test_saved_adapter_loads_on_an_unpartitioned_model(runs: dict[str, Any]) -> None:
     """Only the adapter's weights are saved, whole (gathered from the shards), and they give the
     same model as the adapter trained without DeepSpeed."""

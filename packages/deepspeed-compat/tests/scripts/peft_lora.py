@@ -28,7 +28,9 @@ ZERO3: dict[str, Any] = {
 }
 
 
-def run(name: str, zero3: bool) -> dict[str, Any]:
+def run(
+    name: str, zero3: bool, *, save_steps: int | None = None, resume: str | None = None
+) -> dict[str, Any]:
     use_deepspeed_state(zero3)
     out = RUN_DIR / name
     args = transformers.TrainingArguments(  # made first: with DeepSpeed it switches ZeRO-3 on
@@ -38,7 +40,8 @@ def run(name: str, zero3: bool) -> dict[str, Any]:
         max_steps=4,
         learning_rate=5e-2,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
         report_to=[],
         seed=0,
         use_cpu=not zero3,
@@ -52,7 +55,7 @@ def run(name: str, zero3: bool) -> dict[str, Any]:
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     model = peft.get_peft_model(base, lora)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset())
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(str(out / "adapter"))
     found = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -65,4 +68,13 @@ def run(name: str, zero3: bool) -> dict[str, Any]:
     return found
 
 
-write_result({"plain": run("plain", False), "zero3": run("zero3", True)})
+results = {
+    "plain": run("plain", False),
+    "zero3": run("zero3", True),
+    # checkpoints without the frozen base (exclude_frozen_parameters), loaded non-strictly
+    "zero3_saving": run("zero3_saving", True, save_steps=2),
+}
+results["zero3_resumed"] = run(
+    "zero3_resumed", True, resume=str(RUN_DIR / "zero3_saving" / "checkpoint-2")
+)
+write_result(results)
