@@ -30,6 +30,7 @@ from zengine._estimate import (
     estimate_zero3_model_states_mem_needs_all_live,
 )
 from zengine._initialize import initialize
+from zengine._load_safetensors import load_safetensors
 from zengine._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler
 from zengine._lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zengine._offload_states import get_state_devices
@@ -86,6 +87,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "load_safetensors",
     "ops",
     "pipe",
     "safe_get_full_fp32_param",
