@@ -23,7 +23,6 @@ from deepspeed._refused import TENSOR_PARALLEL, UnsupportedFeatureError, refused
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from zengine import (
-    ConfigError,
     DeepSpeedConfigError,
     add_config_arguments,
     init_distributed,
@@ -44,7 +43,6 @@ init_inference = refused(
 )
 
 __all__ = [
-    "ConfigError",
     "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "PipelineEngine",
