@@ -11,17 +11,15 @@ layers, 16 heads, vocabulary 32000, untied head: 245 M parameters, 936 MiB in fp
 thread per rank. The contenders, each in a fresh pair of processes every round, in rotating
 order for ROUNDS rounds:
 
-- zstack: ``with no_init_weights(), zpartition.Init(): model = LlamaForCausalLM(config)`` (the
-  config read with ``AutoConfig.from_pretrained``), then ``zengine.load_safetensors(model,
+- zstack: ``with no_init_weights(), zpartition.Init(sync_module_states=False): model =
+  LlamaForCausalLM(config)`` (the config read with ``AutoConfig.from_pretrained``; no rank-0
+  broadcast of values the load overwrites), then ``zengine.load_safetensors(model,
   directory)``: each rank maps the shards and copies only its own chunk of each parameter.
 - Transformers: a ``HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, ...})`` kept alive,
   then ``AutoModelForCausalLM.from_pretrained(directory)``, on zstack through the compatibility
-  ``deepspeed`` package: it builds the model under ``deepspeed.zero.Init`` and rank 0 reads every
-  tensor, each module's parameters then broadcast by ``GatheredParameters(modifier_rank=0)``.
-- A preview, not a contender: zstack as above with `Init`'s rank-0 broadcast of every module's
-  freshly built values patched out (``zpartition._partitioned._broadcast_params``), which is
-  what the load overwrites anyway. `Init` has no switch for that yet; the row shows what one
-  would give.
+  ``deepspeed`` package: it builds the model under ``deepspeed.zero.Init`` (rank 0's values of
+  each module broadcast, as DeepSpeed does) and rank 0 reads every tensor, each module's
+  parameters then broadcast by ``GatheredParameters(modifier_rank=0)``.
 
 Both ranks import everything first; the time is rank 0's wall time from a barrier before the
 construction to a barrier after the load, and for zstack also split at the end of the
@@ -61,11 +59,10 @@ from _common import run_ranks
 
 QUICK = "--quick" in sys.argv
 ROUNDS = 1 if QUICK else 3
-CONTENDERS = ["zstack", "transformers", "preview"]
+CONTENDERS = ["zstack", "transformers"]
 LABELS = {
-    "zstack": "zstack: Init + zengine.load_safetensors",
+    "zstack": "zstack: Init(sync_module_states=False) + zengine.load_safetensors",
     "transformers": "Transformers from_pretrained, ZeRO-3 (compat deepspeed)",
-    "preview": "preview: zstack with Init's rank-0 broadcast patched out",
 }
 LLAMA: dict[str, Any] = dict(
     hidden_size=1024,
@@ -100,7 +97,7 @@ def checksum(tensor: torch.Tensor) -> str:
 
 def _zstack(directory: str, marks: list[float]) -> Any:
     config = AutoConfig.from_pretrained(directory)
-    with no_init_weights(), zpartition.Init():
+    with no_init_weights(), zpartition.Init(sync_module_states=False):
         model = LlamaForCausalLM(config)
     marks.append(time.perf_counter())
     zengine.load_safetensors(model, directory)
@@ -123,9 +120,6 @@ def worker(contender: str, directory: str) -> None:
     if contender == "transformers":  # Transformers looks it up while it lives
         ds = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
         hf_config = hf.integrations.HfDeepSpeedConfig(ds)
-    if contender == "preview":
-        partitioned: Any = importlib.import_module("zpartition._partitioned")
-        partitioned._broadcast_params = lambda params, group: None
     load = _transformers if contender == "transformers" else _zstack
     baseline = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the peak from here on

@@ -236,24 +236,6 @@ def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-@contextlib.contextmanager
-def _rss_tracks_live_tensors() -> Iterator[None]:
-    """Make RSS follow the tensors alive, not glibc's heap: by default glibc raises its mmap
-    threshold to the size of each large block freed, so the next blocks of that size come from
-    the heap, whose freed holes it keeps (zero.Init allocates each module whole, then its
-    shard, then frees the whole: RSS grew to ~2x the model on every rank while only the shards
-    were alive, and ``malloc_trim`` gave the rest back). A fixed threshold of 128 KiB (glibc's
-    starting value) maps every large tensor on its own and unmaps it when freed. glibc cannot
-    go back to the moving threshold afterwards: this worker keeps the fixed one (large
-    allocations a little slower for the tests it runs next, nothing else)."""
-    libc = ctypes.CDLL("libc.so.6")
-    assert libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
-    yield
-
-
 class TestFromPretrainedMemory(DistributedTest):
     world_size = 2
 
@@ -287,7 +269,7 @@ class TestFromPretrainedMemory(DistributedTest):
         tiny = checkpoint(class_tmpdir, "llama")
         with zero3():  # the same code path once on a tiny model: imports, first-call caches
             load(tiny)
-        with _rss_tracks_live_tensors(), zero3():
+        with zero3():
             _reset_peak_rss()
             before = _rss_kib()
             dist.barrier()

@@ -129,6 +129,45 @@ def test_a_users_malloc_settings_are_kept() -> None:
     assert held - freed >= 200, (held, freed)
 
 
+_ORDER_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, zpartition
+    from zengine._host_memory import IdleTrimmer
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) >> 10
+    trimmers = []
+    for step in sys.argv[1].split(","):
+        if step == "init":  # a model built on the host: Init fixes the mmap threshold low
+            with zpartition.Init(remote_device="cpu"):
+                pass
+        else:  # an engine built on CPU
+            trimmers.append(IdleTrimmer(after=60.0))
+    chunks = [torch.ones(1 << 18) for _ in range(256)]  # 256 MiB in 1 MiB tensors
+    held = rss()
+    del chunks
+    print(held - rss())
+    """
+)
+
+
+@needs_glibc
+@pytest.mark.parametrize("order", ["init,engine", "engine,init,engine"])
+def test_an_engine_built_after_init_holds_the_heap(order: str) -> None:
+    """zpartition's Init fixes glibc's mmap threshold at 128 KiB for the construction; an engine
+    built after it raises it again, so the training steps' blocks stay in the heap."""
+    out = subprocess.run(
+        [sys.executable, "-c", _ORDER_SCRIPT, order],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    returned = int(out.stdout.split()[-1])
+    assert returned <= 16, f"{returned} MiB handed back at free(): the hold was undone"
+
+
 def test_a_disabled_trimmer_starts_nothing() -> None:
     trimmer = IdleTrimmer(after=0.01, above=0, enabled=False)  # an engine on a GPU
     trimmer.idle()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -108,6 +109,95 @@ class TestInit(DistributedTest):
     def test_bad_remote_device(self, world_size: int) -> None:
         with pytest.raises(ValueError, match="remote_device='nvme'"):
             zpartition.Init(remote_device="nvme")
+
+
+class Rewrites(Outer):
+    """Writes a child's weight after the child was cut (caught by the write mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner.weight.data.normal_()
+
+
+def _own_chunk(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """`rank`'s chunk of `full` flattened, zero-padded to ceil(numel / world)."""
+    chunk = math.ceil(full.numel() / world)
+    out = torch.zeros(chunk, dtype=full.dtype)
+    mine = full.reshape(-1)[rank * chunk : (rank + 1) * chunk]
+    out[: mine.numel()] = mine
+    return out
+
+
+def _broadcasts_while(build: Callable[[], nn.Module]) -> tuple[nn.Module, int]:
+    """`build()`, and how many broadcasts zcomm recorded meanwhile."""
+    zcomm.reset_comm_accounting()
+    zcomm.enable_comm_accounting()
+    try:
+        model = build()
+        stats = zcomm.comm_summary().get("broadcast")
+    finally:  # the pool's worker runs other tests next
+        zcomm.enable_comm_accounting(False)
+        zcomm.reset_comm_accounting()
+    return model, stats.count if stats is not None else 0
+
+
+class TestSyncModuleStates(DistributedTest):
+    @SIZES
+    def test_by_default_each_module_is_broadcast(self, world_size: int) -> None:
+        expected = _build_on_rank0_values(Outer)
+
+        def build() -> nn.Module:
+            torch.manual_seed(1234 + zcomm.get_rank())
+            with zpartition.Init():
+                return Outer()
+
+        model, broadcasts = _broadcasts_while(build)
+        assert (broadcasts > 0) == (world_size > 1)  # one rank has nothing to agree on
+        with GatheredParameters(list(model.parameters())):  # rank 0's values everywhere
+            for p, ref in zip(model.parameters(), expected.parameters(), strict=True):
+                assert torch.equal(p.data, ref.data)
+
+    @SIZES
+    def test_off_each_rank_keeps_its_own_slice(self, world_size: int) -> None:
+        rank = zcomm.get_rank()
+        torch.manual_seed(1234 + rank)  # ranks draw different values
+        own = Outer()
+
+        def build() -> nn.Module:
+            torch.manual_seed(1234 + rank)
+            with zpartition.Init(sync_module_states=False):
+                return Outer()
+
+        model, broadcasts = _broadcasts_while(build)
+        assert broadcasts == 0
+        for p, ref in zip(model.parameters(), own.parameters(), strict=True):
+            assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE
+            assert torch.equal(p.ds_tensor, _own_chunk(ref.data, rank, world_size))
+        torch.manual_seed(99)  # the same on every rank: what a checkpoint holds
+        loaded = Outer()
+        with GatheredParameters(list(model.parameters()), modifier_rank=0):
+            if rank == 0:  # a load: rank 0 writes every weight
+                for p, value in zip(model.parameters(), loaded.parameters(), strict=True):
+                    p.data.copy_(value.data)
+        with GatheredParameters(list(model.parameters())):
+            for p, value in zip(model.parameters(), loaded.parameters(), strict=True):
+                assert torch.equal(p.data, value.data)
+
+    @SIZES
+    def test_off_writes_after_construction_keep_rank_0s_values(self, world_size: int) -> None:
+        torch.manual_seed(1234)  # what rank 0 builds and then writes
+        Outer()
+        written = torch.empty(5, 6).normal_()
+        rank = zcomm.get_rank()
+        torch.manual_seed(1234 + rank)
+        own = Outer()
+        torch.manual_seed(1234 + rank)
+        with zpartition.Init(sync_module_states=False):
+            model = Rewrites()
+        # not written: this rank's slice of its own draw
+        assert torch.equal(model.scale.ds_tensor, _own_chunk(own.scale.data, rank, world_size))
+        with GatheredParameters(list(model.parameters())):
+            assert torch.equal(model.inner.weight.data, written)  # written: rank 0's, everywhere
 
 
 class TestGatheredParameters(DistributedTest):

@@ -26,8 +26,9 @@ again. Measured at hidden 256 on 2 ranks (15 steps in a row): 41-48 thousand pag
 against DDP's 26-33 thousand, 18-23 thousand with the hold; the step's CPU time 1.08-1.10x DDP's
 without it, 0.97-1.00x with it. The mmap threshold is fixed at glibc's own ceiling (32 MiB,
 where its dynamic threshold ends up for tensors this size; setting either turns the adjustment
-of both off). A user's own ``MALLOC_*_`` variables or ``glibc.malloc`` tunables are left as
-they are.
+of both off). It is set again at each engine built: zpartition's `Init`, building a model on
+the host, fixes the mmap threshold at 128 KiB (its ``_host_heap``), and the last to set it
+wins. A user's own ``MALLOC_*_`` variables or ``glibc.malloc`` tunables are left as they are.
 
 The gradient partitions are a buffer the engine keeps (DeepSpeed's ``grad_partitions_flat_buffer``,
 which views and ``safe_get_*`` point into), where FSDP2 frees its sharded gradients at each
@@ -60,7 +61,6 @@ _NEVER = 2**31 - 1  # mallopt takes an int: free() trims only above 2 GiB free a
 _USER_KNOBS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 _MADV_DONTNEED = 4  # madvise's advice number (sys/mman.h, Linux)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_held = False  # _hold_heap ran in this process
 
 
 class _MallInfo2(ctypes.Structure):
@@ -99,12 +99,8 @@ def _glibc_trimmer(above: int) -> Callable[[], None] | None:
 
 
 def _hold_heap() -> None:
-    """Once per process: glibc's ``free()`` stops handing the heap's top back, and blocks under
-    32 MiB come from the heap (see the Note). Not where the user tuned glibc's malloc."""
-    global _held
-    if _held:
-        return
-    _held = True
+    """glibc's ``free()`` stops handing the heap's top back, and blocks under 32 MiB come from
+    the heap (see the Note). Not where the user tuned glibc's malloc."""
     tuned = any(k in os.environ for k in _USER_KNOBS)
     if tuned or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return

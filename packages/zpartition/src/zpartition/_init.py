@@ -2,14 +2,14 @@
 
 Inside the context every ``nn.Module`` subclass's ``__init__`` is wrapped; when the outermost
 ``__init__`` of a module returns (the most-derived class's, so parents' constructors still see
-full parameters), that module's own parameters are made equal across ranks (rank 0's values, one
-broadcast per module) and cut into shards. Children were cut when their own ``__init__`` returned,
-so at any moment at most one module's parameters exist in full. ``nn.Module.apply`` gathers each
-module's parameters around the function it runs (rank 0's results kept), as DeepSpeed's, so a
-parent that initializes its children's weights in its ``__init__`` reaches them. Other writes
-after a child was cut (Hugging Face's ``post_init``, with a recursion of its own) are gathered by
-a torch function mode while the context is entered: see `_init_writes`. The wrappers are removed
-and the mode popped on exit.
+full parameters), that module's own parameters are made equal across ranks (rank 0's values,
+broadcast; not with ``sync_module_states=False``) and cut into shards. Children were cut when
+their own ``__init__`` returned, so at any moment at most one module's parameters exist in
+full. ``nn.Module.apply`` gathers each module's parameters around the function it runs (rank
+0's results kept), as DeepSpeed's, so a parent that initializes its children's weights in its
+``__init__`` reaches them. Other writes after a child was cut (Hugging Face's ``post_init``,
+with a recursion of its own) are gathered by a torch function mode while the context is
+entered: see `_init_writes`. The wrappers are removed and the mode popped on exit.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import nn
 import zcomm
 from zpartition._gather import channel_for, new_unit
 from zpartition._gathered import GatheredParameters
+from zpartition._host_heap import fix_mmap_threshold
 from zpartition._init_writes import let_go, start, stop, suspended
 from zpartition._partitioned import convert_module
 
@@ -152,6 +153,19 @@ class Init:
             layers save what their backward needs, and their weights are re-gathered for it).
         zero_quantized_weights, zero_quantized_nontrainable_weights: DeepSpeed's ZeRO++
             quantization, which zpartition does not have: only ``False``.
+        sync_module_states: zstack's, not DeepSpeed's (FSDP's name for the same): ``True``
+            broadcasts rank 0's freshly built values of each module before the cut, so every
+            rank's shard comes from the same values, as DeepSpeed does. ``False`` skips that:
+            each rank keeps its own slice of what it built, so the gathered parameters mix
+            ranks' draws until they are overwritten. Use it when a checkpoint load overwrites
+            every weight next (Transformers' ``no_init_weights()`` around the construction,
+            then ``zengine.load_safetensors``): the broadcast was most of the construction's
+            time. Writes after construction caught inside the context (`_init_writes`) keep
+            rank 0's values either way, so the parameters they touch agree across ranks.
+
+    Where the shards live in host memory (no CUDA, or ``remote_device="cpu"``), entering the
+    outermost context fixes glibc's mmap threshold at 128 KiB for the rest of the process, so
+    the freed whole modules do not stay resident in the heap (see `_host_heap`).
     """
 
     def __init__(
@@ -168,6 +182,7 @@ class Init:
         mem_efficient_linear: bool = True,
         zero_quantized_weights: bool = False,
         zero_quantized_nontrainable_weights: bool = False,
+        sync_module_states: bool = True,
     ) -> None:
         for name, value in (
             ("zero_quantized_weights", zero_quantized_weights),
@@ -176,6 +191,7 @@ class Init:
             if value:
                 raise ValueError(f"Init({name}=True): ZeRO++ quantization is not implemented")
         self.enabled = enabled
+        self.sync = sync_module_states
         self.group = data_parallel_group
         self.pin_memory = pin_memory
         self.dtype = dtype or _config_dtype(config_dict_or_path or config)
@@ -194,12 +210,14 @@ class Init:
         if enabled and not dist.is_initialized():
             zcomm.init_distributed()
         if module is not None and enabled:
+            self._fix_host_heap()
             for m in module.modules():
                 self._partition(m)
 
     def __enter__(self) -> Init:
         if self.enabled:
             if not _active:
+                self._fix_host_heap()
                 _patch()
                 start()  # the write mode: see _init_writes
             _active.append(self)
@@ -220,6 +238,16 @@ class Init:
             finally:
                 _unpatch()
 
+    def _fix_host_heap(self) -> None:
+        """Fix glibc's mmap threshold where the shards live in host memory (see `_host_heap`)."""
+        host = (
+            self.remote_device.type == "cpu"
+            if self.remote_device is not None
+            else not torch.cuda.is_available()
+        )
+        if host:
+            fix_mmap_threshold()
+
     def _partition(self, module: nn.Module) -> None:
         with suspended():  # the cut is zpartition's own work, not a write
             self._cut(module)
@@ -236,6 +264,7 @@ class Init:
             shard_device=self.remote_device,
             dtype=self.dtype,
             pin_memory=self.pin_memory and self.remote_device is not None,
+            sync=self.sync,
         )
         if not params:
             return
