@@ -4,15 +4,17 @@ against the same `Trainer` with DDP, on CPU.
 Run by ``nox -s bench -- trainer`` (or ``python bench/bench_trainer.py [--quick]``).
 
 The model is a Llama built from a ``transformers.LlamaConfig`` (vocab 8192, hidden 256,
-intermediate 688, 4 layers, 8 heads, 4 key-value heads, fp32, about 6.7 M parameters), its
-weights saved once and loaded by every run; sequence 256, micro-batch 4 per rank, no gradient
-accumulation, AdamW (lr 1e-4), 2 ranks on gloo, one torch thread per rank. The two contenders
-differ only in ``TrainingArguments``: DDP (``use_cpu=True``: Accelerate's MULTI_CPU, DDP on
-gloo) and ZeRO-3 (``deepspeed={"zero_optimization": {"stage": 3}, ...}`` with Transformers'
-"auto" values; the optimizer is the Trainer's own AdamW, wrapped by the engine). A callback times
-each optimizer step (``on_step_begin`` to ``on_step_end``: forward, backward, step and the
+intermediate 688, 4 layers, 8 heads, 4 key-value heads, fp32, 7.1 M parameters), its weights
+saved once and loaded by every run; sequence 256, micro-batch 4 per rank, no gradient
+accumulation, AdamW (lr 1e-4), 2 ranks on gloo, one torch thread per rank. The contenders differ
+only in ``TrainingArguments``: DDP (``use_cpu=True``: Accelerate's MULTI_CPU, DDP on gloo) and
+ZeRO-3 (``deepspeed={"zero_optimization": {"stage": 3}, ...}``), twice: with the "auto" sizes
+of Transformers' documented configs (``reduce_bucket_size`` hidden^2,
+``stage3_prefetch_bucket_size`` 0.9 hidden^2, ``stage3_param_persistence_threshold`` 10 hidden)
+and with DeepSpeed's default sizes; the optimizer is the Trainer's own AdamW, wrapped by the
+engine. A callback times each optimizer step (``on_step_begin`` to ``on_step_end``: forward, backward, step and the
 Trainer's bookkeeping), wall and process CPU time; the first steps are warm-up. Each round starts
-both contenders as fresh process groups, in alternating order; the figure is the median over
+every contender as a fresh process group, in rotating order; the figure is the median over
 rounds of the ratio of the medians, ZeRO-3 over DDP. Target: at most 1.10x.
 """
 
@@ -38,7 +40,7 @@ def _worker(model_dir: str, contender: str, steps: int, warmup: int) -> None:
     from accelerate import PartialState
 
     torch.set_num_threads(1)
-    zero3 = contender == "zero3"
+    zero3 = contender.startswith("zero3")
     if zero3:  # on CPU Accelerate counts DeepSpeed ranks only with the backend named
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
@@ -77,6 +79,8 @@ def _worker(model_dir: str, contender: str, steps: int, warmup: int) -> None:
             "stage3_param_persistence_threshold": "auto",
         },
     }
+    if contender == "zero3-defaults":  # DeepSpeed's own defaults for the sizes
+        ds_config["zero_optimization"] = {"stage": 3}
     args = transformers.TrainingArguments(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=MICRO,
@@ -123,18 +127,23 @@ def _save_model(path: Path) -> None:
     model.save_pretrained(path)
 
 
+CONTENDERS = {
+    "ddp": "DDP",
+    "zero3": 'ZeRO-3, Transformers\' "auto" sizes',
+    "zero3-defaults": "ZeRO-3, DeepSpeed's default sizes",
+}
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
-    rounds, steps, warmup = (2, 6, 2) if quick else (5, 14, 4)
+    rounds, steps, warmup = (2, 6, 2) if quick else (6, 14, 4)
+    times: dict[str, dict[str, list[float]]] = {c: {"wall": [], "cpu": []} for c in CONTENDERS}
+    ratios: dict[str, dict[str, list[float]]] = {c: {"wall": [], "cpu": []} for c in CONTENDERS}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         _save_model(model_dir)
-        ratios: dict[str, list[float]] = {"wall": [], "cpu": []}
-        medians: dict[str, dict[str, list[float]]] = {
-            c: {"wall": [], "cpu": []} for c in ("ddp", "zero3")
-        }
         for round_ in range(rounds):
-            order = ("ddp", "zero3") if round_ % 2 == 0 else ("zero3", "ddp")
+            order = list(CONTENDERS)[round_ % 3 :] + list(CONTENDERS)[: round_ % 3]
             found: dict[str, dict[str, float]] = {}
             for contender in order:
                 ranks = run_ranks(
@@ -146,26 +155,26 @@ def main() -> None:
                 found[contender] = {
                     kind: max(float(str(rank[kind])) for rank in ranks) for kind in ("wall", "cpu")
                 }
-            for kind in ("wall", "cpu"):
-                ratios[kind].append(found["zero3"][kind] / found["ddp"][kind])
-                for contender in found:
-                    medians[contender][kind].append(found[contender][kind])
+            for contender, kinds in found.items():
+                for kind, value in kinds.items():
+                    times[contender][kind].append(value)
+                    ratios[contender][kind].append(value / found["ddp"][kind])
             print(
-                f"round {round_ + 1}/{rounds}: ZeRO-3 / DDP wall {ratios['wall'][-1]:.3f}x, "
-                f"CPU {ratios['cpu'][-1]:.3f}x",
+                f"round {round_ + 1}/{rounds}: "
+                + ", ".join(f"{c} {found[c]['cpu'] * 1e3:.0f} ms CPU" for c in CONTENDERS),
                 flush=True,
             )
     print(
         f"\n### Trainer step, Llama {HIDDEN}x{LAYERS}, world size 2 (gloo, micro-batch {MICRO}, "
-        f"sequence {SEQ}): ms per step, medians of {rounds} rounds x {steps - warmup} steps"
+        f"sequence {SEQ}): ms per step, medians of {rounds} rounds x {steps - warmup} steps; "
+        "ratios are medians of the per-round ratio to DDP"
     )
-    print("\n| | DDP | ZeRO-3 (zstack via `deepspeed`) | ZeRO-3 / DDP |")
-    print("|---|---|---|---|")
-    for kind in ("wall", "cpu"):
-        ddp = statistics.median(medians["ddp"][kind]) * 1e3
-        zero3 = statistics.median(medians["zero3"][kind]) * 1e3
-        ratio = statistics.median(ratios[kind])
-        print(f"| {kind} time | {ddp:.1f} | {zero3:.1f} | {ratio:.3f}x |")
+    print("\n| | wall ms | CPU ms | wall / DDP | CPU / DDP |")
+    print("|---|---|---|---|---|")
+    for contender, label in CONTENDERS.items():
+        wall, cpu = (statistics.median(times[contender][k]) * 1e3 for k in ("wall", "cpu"))
+        wall_ratio, cpu_ratio = (statistics.median(ratios[contender][k]) for k in ("wall", "cpu"))
+        print(f"| {label} | {wall:.1f} | {cpu:.1f} | {wall_ratio:.3f}x | {cpu_ratio:.3f}x |")
 
 
 if __name__ == "__main__":
