@@ -12,10 +12,11 @@ ZeRO-3 (``deepspeed={"zero_optimization": {"stage": 3}, ...}``), twice: with the
 of Transformers' documented configs (``reduce_bucket_size`` hidden^2,
 ``stage3_prefetch_bucket_size`` 0.9 hidden^2, ``stage3_param_persistence_threshold`` 10 hidden)
 and with DeepSpeed's default sizes; the optimizer is the Trainer's own AdamW, wrapped by the
-engine. A callback times each optimizer step (``on_step_begin`` to ``on_step_end``: forward, backward, step and the
-Trainer's bookkeeping), wall and process CPU time; the first steps are warm-up. Each round starts
-every contender as a fresh process group, in rotating order; the figure is the median over
-rounds of the ratio of the medians, ZeRO-3 over DDP. Target: at most 1.10x.
+engine. A callback times each optimizer step (``on_step_begin`` to ``on_step_end``: forward,
+backward, step and the Trainer's bookkeeping), wall and process CPU time; the first steps are
+warm-up. Each round starts every contender as a fresh process group, in rotating order; the
+figure is the median over rounds of the ratio of the medians, ZeRO-3 over DDP. Target: at most
+1.10x.
 """
 
 from __future__ import annotations
