@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -97,8 +96,10 @@ class TestConstructionMemory(DistributedTest):
         after = _status_bytes("VmRSS") - before
         model_bytes = sum(p.ds_numel * p.element_size() for p in model.parameters())
         assert 60 << 20 < model_bytes < 80 << 20, model_bytes
-        seen: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, (peak / model_bytes, after / model_bytes))
+        mine = torch.tensor([peak / model_bytes, after / model_bytes], dtype=torch.float64)
+        everyone = torch.empty(dist.get_world_size() * 2, dtype=torch.float64)
+        dist.all_gather_into_tensor(everyone, mine)  # not all_gather_object: it needs NumPy
+        seen = everyone.view(-1, 2).tolist()
         print("peak, after / model per rank:", ", ".join(f"{p:.2f}, {a:.2f}" for p, a in seen))
         for rank, (peak_x, _) in enumerate(seen):
             assert peak_x < 0.8, f"rank {rank} peaked at {peak_x:.2f}x the model"
