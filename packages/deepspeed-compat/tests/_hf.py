@@ -18,11 +18,12 @@ SCRIPTS = Path(__file__).parent / "scripts"
 VOCAB = 128
 
 
-def tiny_config(kind: str = "llama") -> Any:
-    """A few-layer config of `kind` ("llama", "gpt2", "t5", "mixtral", "bert")."""
+def tiny_config(kind: str = "llama", **overrides: Any) -> Any:
+    """A few-layer config of `kind` ("llama", "gpt2", "t5", "mixtral", "bert"), with
+    `overrides` of its keys."""
     import transformers
 
-    common: dict[str, Any] = {"vocab_size": VOCAB}
+    common: dict[str, Any] = {"vocab_size": VOCAB, **overrides}
     if kind == "llama":
         return transformers.LlamaConfig(
             **common,
@@ -59,7 +60,6 @@ def tiny_config(kind: str = "llama") -> Any:
             num_hidden_layers=2,
             num_attention_heads=4,
             max_position_embeddings=64,
-            pad_token_id=0,
         )
     raise ValueError(f"tiny_config: unknown kind {kind!r}")
 

@@ -16,41 +16,16 @@ from torch import nn
 
 import zcomm
 import zpartition
+from _hf import VOCAB, tiny_config
 from zcomm.testing import DistributedTest
-
-VOCAB = 128
-
-
-def _config(kind: str) -> Any:
-    """A two-layer config of `kind`; token 0 pads, so its embedding row is zeroed."""
-    common: dict[str, Any] = {"vocab_size": VOCAB, "pad_token_id": 0}
-    if kind == "llama":
-        return transformers.LlamaConfig(
-            **common,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    if kind == "gpt2":
-        return transformers.GPT2Config(**common, n_embd=64, n_layer=2, n_head=4, n_positions=64)
-    return transformers.BertConfig(
-        **common,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-    )
 
 
 def _build(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
     masked = kind == "bert"
     auto: Any = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
     torch.manual_seed(seed)
-    model: transformers.PreTrainedModel = auto.from_config(_config(kind))
+    # token 0 pads, so its embedding row is zeroed
+    model: transformers.PreTrainedModel = auto.from_config(tiny_config(kind, pad_token_id=0))
     return model
 
 

@@ -2,25 +2,8 @@
 
 import zcomm
 from deepspeed.utils import groups, zero_to_fp32
-from zengine.utils import (
-    RepeatingLoader,
-    log_dist,
-    logger,
-    print_dist,
-    safe_get_full_fp32_param,
-    safe_get_full_grad,
-    safe_get_full_optimizer_state,
-    safe_get_local_fp32_param,
-    safe_get_local_grad,
-    safe_get_local_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_grad,
-    safe_set_full_optimizer_state,
-    safe_set_local_fp32_param,
-    safe_set_local_grad,
-    safe_set_local_optimizer_state,
-    see_memory_usage,
-)
+from zengine.utils import *  # noqa: F403 - DeepSpeed's deepspeed.utils names, zengine's
+from zengine.utils import __all__ as _utils_names
 from zpartition import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
@@ -36,26 +19,10 @@ from zpartition import (
 is_initialized = zcomm.is_initialized
 
 __all__ = [
-    "RepeatingLoader",
+    *_utils_names,
     "get_z3_leaf_modules",
     "groups",
     "is_initialized",
-    "log_dist",
-    "logger",
-    "print_dist",
-    "safe_get_full_fp32_param",
-    "safe_get_full_grad",
-    "safe_get_full_optimizer_state",
-    "safe_get_local_fp32_param",
-    "safe_get_local_grad",
-    "safe_get_local_optimizer_state",
-    "safe_set_full_fp32_param",
-    "safe_set_full_grad",
-    "safe_set_full_optimizer_state",
-    "safe_set_local_fp32_param",
-    "safe_set_local_grad",
-    "safe_set_local_optimizer_state",
-    "see_memory_usage",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name",

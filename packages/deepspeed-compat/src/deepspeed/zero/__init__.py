@@ -1,21 +1,14 @@
-"""``deepspeed.zero``: `Init`, `GatheredParameters` and external parameters (zpartition's)."""
+"""``deepspeed.zero``: `Init`, `GatheredParameters` and external parameters (zpartition's, through
+zengine.zero); MiCS refused."""
 
-from deepspeed.runtime.zero.partition_parameters import MiCS_Init
-from zengine.zero import (
-    GatheredParameters,
-    Init,
-    ZeroParamStatus,
-    register_external_parameter,
-    unregister_external_parameter,
-    unwrap_model_for_generation,
+from deepspeed._refused import refused
+from zengine.zero import *  # noqa: F403 - zengine.zero is DeepSpeed's deepspeed.zero
+from zengine.zero import __all__ as _zero_names
+
+__all__ = [*_zero_names, "MiCS_Init"]
+
+MiCS_Init = refused(
+    "deepspeed.zero.MiCS_Init",
+    "hybrid sharding (MiCS)",
+    "Use deepspeed.zero.Init, which shards over every rank.",
 )
-
-__all__ = [
-    "GatheredParameters",
-    "Init",
-    "MiCS_Init",
-    "ZeroParamStatus",
-    "register_external_parameter",
-    "unregister_external_parameter",
-    "unwrap_model_for_generation",
-]

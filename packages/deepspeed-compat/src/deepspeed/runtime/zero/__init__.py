@@ -1,24 +1,15 @@
 """``deepspeed.runtime.zero``: ZeRO-3's parameters (zpartition) and its configuration enums."""
 
 from deepspeed.runtime.zero import offload_config, offload_states, partition_parameters, utils
-from deepspeed.runtime.zero.partition_parameters import (
-    GatheredParameters,
-    Init,
-    MiCS_Init,
-    ZeroParamStatus,
-    register_external_parameter,
-    unregister_external_parameter,
-)
+from deepspeed.zero import MiCS_Init
+from zengine.zero import *  # noqa: F403 - deepspeed.zero's names, here too as in DeepSpeed
+from zengine.zero import __all__ as _zero_names
 
 __all__ = [
-    "GatheredParameters",
-    "Init",
+    *_zero_names,
     "MiCS_Init",
-    "ZeroParamStatus",
     "offload_config",
     "offload_states",
     "partition_parameters",
-    "register_external_parameter",
-    "unregister_external_parameter",
     "utils",
 ]

@@ -1,5 +1,6 @@
 """``deepspeed.runtime.zero.partition_parameters``: `Init`, `GatheredParameters`, the status
-enum, and the two names Transformers swaps around ``zero.Init`` to keep RoPE buffers' dtype.
+enum and external parameters (``deepspeed.zero``'s names), and the two names Transformers swaps
+around ``zero.Init`` to keep RoPE buffers' dtype.
 
 zpartition's `Init` does not wrap tensor constructors (it casts parameters after a module is
 built, never buffers), so `zero_wrapper_for_fp_tensor_constructor` is only the hook point
@@ -13,25 +14,16 @@ from typing import Any
 
 import torch
 
-from deepspeed._refused import refused
+from deepspeed.zero import MiCS_Init
 from zcomm import get_accelerator
-from zpartition import (
-    GatheredParameters,
-    Init,
-    ZeroParamStatus,
-    register_external_parameter,
-    unregister_external_parameter,
-)
+from zengine.zero import *  # noqa: F403 - deepspeed.zero's names live here in DeepSpeed
+from zengine.zero import __all__ as _zero_names
 
 __all__ = [
-    "GatheredParameters",
-    "Init",
+    *_zero_names,
     "MiCS_Init",
-    "ZeroParamStatus",
     "_orig_torch_arange",
     "get_accelerator",
-    "register_external_parameter",
-    "unregister_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
 
@@ -44,10 +36,3 @@ def zero_wrapper_for_fp_tensor_constructor(
     """`fn` unchanged: zpartition's `Init` leaves tensor constructors alone."""
     del args, kwargs
     return fn
-
-
-MiCS_Init = refused(
-    "deepspeed.zero.MiCS_Init",
-    "hybrid sharding (MiCS)",
-    "Use deepspeed.zero.Init, which shards over every rank.",
-)
