@@ -622,3 +622,47 @@ def test_initialize_without_a_model_names_the_positional_mistake() -> None:
         zengine.initialize(model=None, config=config)
     with pytest.raises(AssertionError, match=r"a module \(Linear\) came as the first positional"):
         zengine.initialize(nn.Linear(2, 2), config=config)
+
+
+class TestDeepspeedIo(DistributedTest):
+    """``engine.deepspeed_io`` (DeepSpeed's): the loader `initialize(training_data=...)` returns
+    is made by it, so a test that patches it on the class (DeepSpeed's own test helpers do, to
+    keep loader workers out of their process pools) reaches `initialize`'s loader too."""
+
+    @SIZES
+    def test_initialize_makes_its_loader_through_deepspeed_io(self, world_size: int) -> None:
+        data = torch.utils.data.TensorDataset(torch.arange(24.0).unsqueeze(1))
+        seen: list[dict[str, Any]] = []
+        original = zengine.Engine.deepspeed_io
+
+        def patched(self: zengine.Engine, *args: Any, **kwargs: Any) -> Any:
+            kwargs["num_local_io_workers"] = 0
+            seen.append(kwargs)
+            return original(self, *args, **kwargs)
+
+        zengine.Engine.deepspeed_io = patched  # type: ignore[method-assign]
+        try:
+            engine, _, loader, _ = zengine.initialize(
+                model=nn.Linear(1, 1), config=_config(stage=2), training_data=data
+            )
+        finally:
+            zengine.Engine.deepspeed_io = original  # type: ignore[method-assign]
+        assert len(seen) == 1
+        assert loader is engine.training_dataloader
+        assert loader is not None
+        rows = torch.cat([batch[0] for batch in loader]).flatten()
+        assert all(len(batch[0]) == 2 for batch in loader)  # the config's micro-batch
+        everyone = [torch.empty_like(rows) for _ in range(world_size)]
+        torch.distributed.all_gather(everyone, rows)
+        assert sorted(torch.cat(everyone).tolist()) == list(range(24))  # each rank its share
+
+    @SIZES
+    def test_deepspeed_io_takes_deepspeeds_arguments(self, world_size: int) -> None:
+        engine, *_ = zengine.initialize(model=nn.Linear(1, 1), config=_config(stage=0))
+        data = torch.utils.data.TensorDataset(torch.arange(8.0))
+        sequential = torch.utils.data.SequentialSampler(data)
+        loader = engine.deepspeed_io(
+            data, batch_size=4, route="eval", data_sampler=sequential, num_local_io_workers=0
+        )
+        assert [batch[0].tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert engine.deepspeed_io(data).batch_size == 2

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 import zcomm
 import zpartition
@@ -89,6 +90,8 @@ class Engine(nn.Module):
         self.optimizer = optimizer  # None: initialize had none; forward passes only
         self.group = optimizer.group if optimizer is not None else group  # data-parallel
         self.lr_scheduler = lr_scheduler
+        # the loader `initialize(training_data=...)` made (DeepSpeed's attribute), or None
+        self.training_dataloader: Iterable[Any] | None = None
         self.config = config  # the resolved EngineConfig
         self.device = device
         self.partitioned = partitioned  # zpartition's handle at stage 3, else None
@@ -155,6 +158,34 @@ class Engine(nn.Module):
 
     def train_batch_size(self) -> int:
         return int(self.config.train_batch_size)
+
+    def deepspeed_io(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Sampler[Any] | None = None,
+        collate_fn: Callable[..., Any] | None = None,
+        num_local_io_workers: int | None = None,
+    ) -> DataLoader[Any]:
+        """DeepSpeed's loader of `dataset`: micro-batches (`batch_size`, by default the
+        config's), each data-parallel rank its share (a `DistributedSampler` unless
+        `data_sampler` is given), `num_local_io_workers` loading processes (none by default),
+        pinned only where there is a GPU. `route` (train, eval, predict) is DeepSpeed's label."""
+        del route  # DeepSpeed times the training route; every route loads alike
+        sampler = data_sampler or DistributedSampler(
+            dataset, num_replicas=zcomm.get_world_size(self.group), rank=zcomm.get_rank(self.group)
+        )
+        return DataLoader(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            sampler=sampler,
+            collate_fn=collate_fn,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and self.device.type == "cuda",
+            drop_last=bool(self.config.dataloader_drop_last),
+        )
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return int(self.config.train_micro_batch_size_per_gpu)

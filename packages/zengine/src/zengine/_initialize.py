@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 import zcomm
 import zpartition
@@ -93,9 +93,9 @@ def initialize(
     device = torch.device(zcomm.get_accelerator().current_device_name())
     groups, options = _param_groups(model, optimizer, model_parameters)
     make_optimizer = _optimizer_factory(optimizer, cfg)  # its errors come before any change
-    loader = _loader(training_data, cfg, group, collate_fn) if training_data is not None else None
     if make_optimizer is None:
-        return _without_optimizer(model, lr_scheduler, cfg, group, device), None, loader, None
+        engine = _without_optimizer(model, lr_scheduler, cfg, group, device)
+        return engine, None, training_loader(engine, training_data, collate_fn), None
     mark_comm_dtypes(model, cfg, device)  # before the gradient buckets are cut
     loss_scaler = _loss_scaler(cfg, device)
     offload = _offload_masters(cfg)
@@ -133,7 +133,7 @@ def initialize(
             p.__dict__["_zengine_optimizer"] = zero  # how the safe_get_* functions find it
     scheduler = _scheduler(lr_scheduler, zero, cfg)
     engine = Engine(model, zero, scheduler, config=cfg, device=device, partitioned=handle)
-    return engine, zero, loader, scheduler
+    return engine, zero, training_loader(engine, training_data, collate_fn), scheduler
 
 
 def _without_optimizer(
@@ -442,20 +442,11 @@ def _scheduler(lr_scheduler: Any, zero: ZeroOptimizer, cfg: EngineConfig) -> Any
     return build_scheduler(cfg.scheduler.type, zero.optimizer, dict(cfg.scheduler.params))
 
 
-def _loader(
-    data: Dataset[Any],
-    cfg: EngineConfig,
-    group: dist.ProcessGroup | None,
-    collate_fn: Callable[..., Any] | None,
-) -> DataLoader[Any]:
-    """DeepSpeed's training loader: micro-batches, each rank its share of the data."""
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        data, num_replicas=dist.get_world_size(group), rank=dist.get_rank(group)
-    )
-    return DataLoader(
-        data,
-        batch_size=int(cfg.train_micro_batch_size_per_gpu),
-        sampler=sampler,
-        collate_fn=collate_fn,
-        drop_last=cfg.dataloader_drop_last,
-    )
+def training_loader(
+    engine: Engine, data: Dataset[Any] | None, collate_fn: Callable[..., Any] | None
+) -> DataLoader[Any] | None:
+    """The loader `initialize` returns for `training_data`, made by ``engine.deepspeed_io`` (as
+    DeepSpeed's: a patched ``deepspeed_io`` reaches it); kept as ``engine.training_dataloader``."""
+    loader = engine.deepspeed_io(data, collate_fn=collate_fn) if data is not None else None
+    engine.training_dataloader = loader
+    return loader

@@ -114,7 +114,6 @@ class PipelineEngine(Engine):
         #: the sends queued after it on the same stream.
         self.receive_ahead = self.eager_sends
         #: the loader of `initialize(training_data=...)`: what train_batch() reads by default
-        self.training_dataloader: Iterable[Any] | None = None
         self._data_iterator: Iterator[Any] | None = None
         #: set to a dict to record each computation's seconds by kind: "F" (forward), "B"
         #: (backward), "I" and "W" (the halves of a split backward); None records nothing

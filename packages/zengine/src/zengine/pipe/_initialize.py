@@ -12,12 +12,12 @@ import zcomm
 from zengine._autocast import mark_comm_dtypes
 from zengine._config import ConfigError, EngineConfig, load_config
 from zengine._initialize import (
-    _loader,
     _loss_scaler,
     _optimizer_factory,
     _param_groups,
     _prepare_dense,
     _scheduler,
+    training_loader,
 )
 from zengine._layouts import FlatLayout
 from zengine.pipe._engine import PipelineEngine
@@ -112,8 +112,4 @@ def initialize_pipeline(
             p.__dict__["_zengine_optimizer"] = zero  # how the safe_get_* functions find it
     scheduler = _scheduler(lr_scheduler, zero, cfg)
     engine = PipelineEngine(model, zero, scheduler, config=cfg, device=device)
-    loader = (
-        _loader(training_data, cfg, dp_group, collate_fn) if training_data is not None else None
-    )
-    engine.training_dataloader = loader
-    return engine, zero, loader, scheduler
+    return engine, zero, training_loader(engine, training_data, collate_fn), scheduler
