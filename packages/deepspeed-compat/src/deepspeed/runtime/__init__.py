@@ -6,6 +6,7 @@ as ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` work after a bare ``imp
 
 from deepspeed.runtime import (
     activation_checkpointing,
+    bf16_optimizer,
     engine,
     lr_schedules,
     pipe,
@@ -16,6 +17,7 @@ from deepspeed.runtime import (
 
 __all__ = [
     "activation_checkpointing",
+    "bf16_optimizer",
     "engine",
     "lr_schedules",
     "pipe",
