@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
+import torch
 import torch.distributed as dist
 from packaging.version import Version
 
@@ -73,3 +74,37 @@ class TestDataParallelGroup(DistributedTest):
         assert groups._get_data_parallel_world_size() == dist.get_world_size()
         assert groups._get_data_parallel_rank() == dist.get_rank()
         assert dist.get_world_size(groups._get_data_parallel_group()) == dist.get_world_size()
+
+
+def test_op_builders_say_every_feature_is_there_and_refuse_to_build() -> None:
+    """DeepSpeed's code asks a builder before using CPU Adam or async I/O; zstack needs no
+    build for either (torch's kernels, zoffload's NVMe files), and has no compiled op to hand."""
+    from deepspeed.ops.aio import AsyncIOBuilder
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    assert deepspeed.ops.__compatible_ops__[CPUAdamBuilder.NAME]
+    assert deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]
+    with pytest.raises(deepspeed.UnsupportedFeatureError, match="NVMe offload is zoffload's"):
+        AsyncIOBuilder().load()
+
+
+def test_deepspeeds_optimizer_classes_are_zengines() -> None:
+    """``isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)`` and the like hold: zengine
+    has one ZeRO optimizer for every stage."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for name in (ZeROOptimizer, BF16_Optimizer, DeepSpeedZeroOptimizer_Stage3):
+        assert name is zengine.ZeroOptimizer
+    assert DeepSpeedZeroOptimizer is zengine.ZeroOptimizer
+
+
+def test_comm_dtype_attribute_is_the_one_zengine_reads() -> None:
+    from deepspeed.runtime.torch_autocast import PARAM_COMM_DTYPE_ATTR_NAME, has_comm_dtype
+
+    param = torch.nn.Parameter(torch.ones(2))
+    assert not has_comm_dtype(param)
+    setattr(param, PARAM_COMM_DTYPE_ATTR_NAME, torch.bfloat16)
+    assert has_comm_dtype(param)

@@ -6,22 +6,26 @@ as ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` work after a bare ``imp
 
 from deepspeed.runtime import (
     activation_checkpointing,
+    base_optimizer,
     bf16_optimizer,
     engine,
     lr_schedules,
     pipe,
     sequence_parallel,
+    torch_autocast,
     utils,
     zero,
 )
 
 __all__ = [
     "activation_checkpointing",
+    "base_optimizer",
     "bf16_optimizer",
     "engine",
     "lr_schedules",
     "pipe",
     "sequence_parallel",
+    "torch_autocast",
     "utils",
     "zero",
 ]

@@ -1,6 +1,13 @@
 """``deepspeed.runtime.zero``: ZeRO-3's parameters (zpartition) and its configuration enums."""
 
-from deepspeed.runtime.zero import offload_config, offload_states, partition_parameters, utils
+from deepspeed.runtime.zero import (
+    offload_config,
+    offload_states,
+    partition_parameters,
+    stage3,
+    stage_1_and_2,
+    utils,
+)
 from deepspeed.zero import MiCS_Init
 from zengine.zero import *  # noqa: F403 - deepspeed.zero's names, here too as in DeepSpeed
 from zengine.zero import __all__ as _zero_names
@@ -11,5 +18,7 @@ __all__ = [
     "offload_config",
     "offload_states",
     "partition_parameters",
+    "stage3",
+    "stage_1_and_2",
     "utils",
 ]
