@@ -458,6 +458,26 @@ class TestStorageAndStatus(DistributedTest):
         assert handle.coordinator.invalidations == 0
         assert not kept, kept
 
+    @pytest.mark.parametrize("world_size", [2])
+    def test_a_root_without_parameters_prefetches_its_children(self, world_size: int) -> None:
+        """A root with no parameters of its own begins the pass with the plan's first gathers
+        in flight, as DeepSpeed's: its first child finds them gathered or on the way."""
+        model = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5))
+        # read here: read during a forward, it would be gathered for the module running
+        first = cast(nn.Linear, model[0]).weight
+        config = ZeroParamConfig(param_persistence_threshold=0, max_reuse_distance=0)
+        zpartition.partition(model, config=config)
+        seen: list[ZeroParamStatus] = []
+
+        def before_its_own_hook(module: nn.Module, args: object) -> None:
+            seen.append(first.ds_status)
+
+        model[0].register_forward_pre_hook(before_its_own_hook, prepend=True)
+        for _ in range(2):  # the first pass records the order, the second follows it
+            model(torch.randn(2, 5)).sum().backward()
+        assert seen[0] is ZeroParamStatus.NOT_AVAILABLE, seen  # no plan yet
+        assert seen[1] in (ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE)
+
     @staticmethod
     def _expect_released(model: nn.Module) -> None:
         for p in model.parameters():

@@ -41,6 +41,12 @@ class ZeroParamConfig:
     sum; the reduced shard gradient comes back in the parameter's dtype (or to the gradient
     sink as reduced). None: each parameter's own dtype. A parameter with a ``comm_dtype``
     attribute (DeepSpeed's, which zengine's ``torch_autocast`` sets) is reduced in that."""
+    reduce_scale: tuple[float, float] | None = None
+    """``(before, after)``: gradients are multiplied by ``before`` in the reduction's dtype,
+    reduce-scattered as a sum, and the result multiplied by ``after`` (DeepSpeed's
+    ``gradient_allreduce_op``, ``prescale_gradients`` and ``gradient_predivide_factor``, which
+    zengine turns into these factors). None: the average (zengine's choice for one rank too,
+    where the factors multiply to one)."""
     persistent_grad_buckets: bool = False
     """Keep each dtype's gradient bucket between backward passes (DeepSpeed's contiguous
     gradient buffer) instead of allocating it per pass: worth it on accelerators, whose caching
@@ -49,6 +55,17 @@ class ZeroParamConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "reduce_scale":
+                if value is not None and not (
+                    isinstance(value, tuple)
+                    and len(value) == 2
+                    and all(isinstance(v, (int, float)) and v > 0 for v in value)
+                ):
+                    raise TypeError(
+                        "ZeroParamConfig.reduce_scale must be None or two positive numbers "
+                        f"(before, after), got {value!r}"
+                    )
+                continue
             if field.name == "reduce_dtype":
                 if value is not None and not (
                     isinstance(value, torch.dtype) and value.is_floating_point

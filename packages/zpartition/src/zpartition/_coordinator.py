@@ -119,6 +119,12 @@ class Coordinator:
         if self._plan is not None and self.prefetching:
             self._prefetch(self._plan)
 
+    def prefetch(self) -> None:
+        """Gather ahead what the plan says is due next, without fetching anything now (a pass
+        begun by a root with no parameters of its own: DeepSpeed prefetches there too)."""
+        if self._plan is not None and self.prefetching:
+            self._prefetch(self._plan)
+
     def release(self, units: Sequence[Unit], user: int) -> None:
         """`user` is done with `units`; release each that nobody holds and the plan won't keep."""
         for u in units:

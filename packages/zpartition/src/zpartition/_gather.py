@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from zpartition._channel import Channel, Kind
 from zpartition._param import ZeroParameter
+from zpartition._shard import check_bound
 from zpartition._status import ZeroParamStatus
 from zpartition._unit import Unit, issue_gathers
 
@@ -59,6 +60,7 @@ def gather_now(params: Iterable[ZeroParameter], user: int = EXPLICIT) -> list[Un
     """Gather the units holding `params` (all of them: a unit moves whole) and keep them."""
     units = _units_of(params)
     for u in units:
+        check_bound(u.bound)  # a rebound `ds_tensor` would be ignored: [Note: shard writes]
         if u.persistent:
             u.refresh()
         u.make_exact()  # a pass gathered it narrow: read here, it must be as it is

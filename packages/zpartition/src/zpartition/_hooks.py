@@ -34,6 +34,7 @@ from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter, unregister_external_parameter
 from zpartition._param import ZeroParameter, zero_params
 from zpartition._reduce import GradBucket, GradientSink, keep_local
+from zpartition._shard import check_bound
 from zpartition._status import ZeroParamStatus
 from zpartition._unit import GradKey, Unit, _GradGroup
 
@@ -113,6 +114,14 @@ class State:
         self.kept_buckets = False  # persistent_grad_buckets (set at install)
         self.grad_buffers: dict[GradKey, torch.Tensor] = {}  # persistent_grad_buckets
         self.buffers_busy: set[GradKey] = set()  # read by a reduce-scatter in flight
+        every = [*coordinator.units.values(), *([persistent] if persistent is not None else [])]
+        # parameters whose shard was written through `ds_tensor` since an engine last asked
+        # (`Partitioned.take_written`), and each parameter's attributes with its shard, checked
+        # once a pass for a rebound `ds_tensor`: see [Note: shard writes]
+        self.written: list[ZeroParameter] = []
+        self.bound = [pair for unit in every for pair in unit.bound]
+        for unit in every:
+            unit.journal = self.written
 
     # -- registration ----------------------------------------------------------------------
 
@@ -199,7 +208,7 @@ class State:
     def _pre_forward(
         self, info: ModuleInfo, begin: Callable[[nn.Module], None] | None
     ) -> Callable[[nn.Module, Any], None]:
-        stack, fetch = self.stack, self.coordinator.fetch
+        stack, fetch, prefetch = self.stack, self.coordinator.fetch, self.coordinator.prefetch
 
         def hook(module: nn.Module, args: Any) -> None:
             if begin is not None:
@@ -207,6 +216,8 @@ class State:
             stack.append(info)
             if info.units:
                 fetch(info.units, info.mid)
+            elif begin is not None:
+                prefetch()  # a root with no parameters of its own: its children's are due
 
         return hook
 
@@ -237,6 +248,7 @@ class State:
         return hook
 
     def _begin_pass(self, module: nn.Module) -> None:
+        check_bound(self.bound)  # a `ds_tensor` rebound since the last pass raises here
         if self.stack:
             self.stack.clear()  # a forward that raised left its modules on the stack
         self.passes += 1
@@ -333,7 +345,8 @@ class State:
             # the config's reduce_dtype, then its own
             dtype = group.comm or self.coordinator.config.reduce_dtype or group.dtype
             rows = self._kept_rows(key, width, dtype)
-            bucket = GradBucket(dtype, width, self.channel, self.root_device, rows)
+            scale = self.coordinator.config.reduce_scale
+            bucket = GradBucket(dtype, width, self.channel, self.root_device, rows, scale)
             self.buckets[key] = bucket
         return bucket
 

@@ -73,6 +73,15 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
+def _on_meta(kwargs: dict[str, Any]) -> bool:
+    """Whether a module is built with ``device="meta"``: `torch.nn.utils.skip_init`'s way."""
+    device = kwargs.get("device")
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "meta"
+
+
+_on_meta_depth = 0  # modules being built inside one built on "meta" (see `_cut_after_to_empty`)
+
+
 def _wrap(cls: type) -> None:
     original = cls.__dict__.get("__init__")
     if original is None or cls in _wrapped:
@@ -80,20 +89,45 @@ def _wrap(cls: type) -> None:
 
     @functools.wraps(original)
     def init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        global _on_meta_depth
         depth = self.__dict__.get("_zp_init_depth", 0)
+        meta = depth == 0 and _on_meta(kwargs)
         self.__dict__["_zp_init_depth"] = depth + 1
+        _on_meta_depth += meta
         try:
             original(self, *args, **kwargs)
         finally:
             self.__dict__["_zp_init_depth"] = depth
+            _on_meta_depth -= meta
         if depth == 0:
             del self.__dict__["_zp_init_depth"]
             if _active:
                 let_go()  # what the __init__ wrote to parameters already cut is kept now
-                _active[-1]._partition(self)
+                if meta and not _on_meta_depth:
+                    _cut_after_to_empty(self, _active[-1])
+                elif not _on_meta_depth:
+                    _active[-1]._partition(self)
 
     _wrapped[cls] = original
     cls.__init__ = init  # type: ignore[misc]
+
+
+def _cut_after_to_empty(module: nn.Module, init: Init) -> None:
+    """A module built on the "meta" device (``skip_init(cls, ...)`` is ``cls(...,
+    device="meta").to_empty(device=...)``) has no values to cut, and ``to_empty`` replaces its
+    parameters with new ones; so it and the modules built inside it are cut, by the `Init` it
+    was built in, once its ``to_empty`` has run, as DeepSpeed's ``hook_for_skip_init``."""
+    to_empty = module.to_empty
+
+    @functools.wraps(to_empty)
+    def run(*args: Any, **kwargs: Any) -> nn.Module:
+        del module.__dict__["to_empty"]  # once: the class's own from now on
+        built = to_empty(*args, **kwargs)
+        for m in built.modules():
+            init._partition(m)
+        return built
+
+    module.__dict__["to_empty"] = run
 
 
 def _patch() -> None:

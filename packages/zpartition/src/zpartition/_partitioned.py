@@ -158,6 +158,19 @@ class Partitioned:
                 seen.setdefault(p.ds_id, p.ds_tensor)
         return list(seen.values())
 
+    def take_written(self) -> list[ZeroParameter]:
+        """The parameters whose shard was written through ``param.ds_tensor.data = t`` or
+        ``param.ds_tensor.copy_(t)`` since the last call, once each, in ``ds_id`` order (see
+        [Note: shard writes]). The gathers already return the written values; an optimizer
+        keeping fp32 masters apart from the shards re-reads these masters from their shards
+        before its next step, or the step would write the old values back."""
+        written = self._state.written
+        if not written:
+            return []
+        found = {p.ds_id: p for p in written}
+        written.clear()
+        return [found[k] for k in sorted(found)]
+
     def set_gradient_sink(self, sink: GradientSink | None) -> None:
         """Hand reduced shard gradients to `sink` from now on (None: ``ds_tensor.grad``)."""
         self._state.sink = sink

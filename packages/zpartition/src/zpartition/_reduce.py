@@ -59,8 +59,10 @@ class GradBucket:
         channel: Channel,
         device: torch.device,
         rows: torch.Tensor | None = None,
+        scale: tuple[float, float] | None = None,
     ) -> None:
         self.channel = channel
+        self.scale = scale  # (before, after) a sum (ZeroParamConfig.reduce_scale); None: average
         # `rows`: a buffer kept across passes (persistent_grad_buckets), else a new one
         self.rows = (
             torch.empty(channel.size, capacity, dtype=dtype, device=device)
@@ -87,10 +89,15 @@ class GradBucket:
         flat = rows.contiguous().view(-1)  # a copy only for a bucket left part-full
         # the bucket is not read again: reduced in place, this rank's chunk is the result
         mine = flat[self.channel.rank * self.used :][: self.used]
+        scale, op = self.scale, zcomm.ReduceOp.AVG
+        if scale is not None:
+            op = zcomm.ReduceOp.SUM
+            if scale[0] != 1.0:
+                flat.mul_(scale[0])  # in the bucket's dtype, the reduction's
         handle = zcomm.reduce_scatter_tensor(
             mine,
             flat,
-            op=zcomm.ReduceOp.AVG,
+            op=op,
             group=self.channel.group,
             async_op=overlap,
             scratch_input=True,
@@ -100,6 +107,8 @@ class GradBucket:
 
         def finish() -> None:
             handle.wait()
+            if scale is not None and scale[1] != 1.0:
+                mine.mul_(scale[1])
             for unit, group, start in entries:
                 reduced = mine[start : start + group.width]
                 if sink is None:

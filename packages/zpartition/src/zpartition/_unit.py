@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 import zcomm
 from zpartition._channel import Channel, Kind
 from zpartition._param import ZeroParameter
+from zpartition._shard import ShardTensor, make_shard, retire
 from zpartition._status import ZeroParamStatus
 from zpartition._stepped import watch
 from zpartition._store import ShardStore
@@ -195,6 +197,9 @@ class Unit:
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self._gathered_version = -1  # the shards' version at the last refresh
         self.store: ShardStore | None = None  # where the shard waits while released, if away
+        # where `ds_tensor.data = t` and `.copy_(t)` name their parameter: a partitioned model's
+        # list (`Partitioned.take_written`), None for units of `Init` alone
+        self.journal: list[ZeroParameter] | None = None
         world = channel.size
         self.chunks = [math.ceil(int(p.ds_numel) / world) for p in self.params]
         self._build_shard()
@@ -229,11 +234,16 @@ class Unit:
             end, dtype=torch.uint8, device=first.device, pin_memory=first.is_pinned()
         )  # pinned shards (parameter offload) copy to the device asynchronously
         self.offsets = offsets
+        # each parameter's attributes and its shard, for the check that none was rebound
+        self.bound: list[tuple[dict[str, Any], ShardTensor]] = []
         for p, c, off in zip(self.params, self.chunks, offsets, strict=True):
             view = self.shard[off : off + c * p.element_size()].view(p.dtype)
             view.copy_(p.ds_tensor)
-            p.ds_tensor = view
-            watch(view)  # a fused optimizer's step must count as a change (_stepped.py)
+            retire(p)  # the shard of an Init unit, if it had one: writes to it would be lost
+            shard = make_shard(view, self, p)  # keeps `.data = t` writes: [Note: shard writes]
+            p.ds_tensor = shard
+            watch(shard)  # a fused optimizer's step must count as a change (_stepped.py)
+            self.bound.append((p.__dict__, shard))
 
     def _build_wire(self) -> None:
         """Where each parameter's chunk lies in the wire copy of the shard (in its narrow
