@@ -578,7 +578,7 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
     problems = _problems(
         {
             "train_batch_size": 1,
-            "prescale_gradients": True,
+            "fp32_allreduce": True,
             "amp": {"enabled": True},
             "bf16": {"enabled": True, "bf16_optimizer_states": True},
             "zero_optimization": {
@@ -588,16 +588,13 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
                 "cpu_offload": True,  # and offload_optimizer too
                 "offload_optimizer": {"device": "cpu", "ratio": 0.3},
             },
-            "gradient_predivide_factor": True,  # not 1: true is not a number here
         }
     )
     assert problems == [
         "zero_optimization.cpu_offload: DeepSpeed's old switch for "
         "zero_optimization.offload_optimizer, which the config also sets; remove cpu_offload",
-        "prescale_gradients: DeepSpeed's gradient prescaling, which zengine does not "
-        "implement (got True); remove the key or set it to false",
-        "gradient_predivide_factor: DeepSpeed's gradient pre-divide factor, which zengine "
-        "does not implement (got True); remove the key or set it to 1.0",
+        "fp32_allreduce: DeepSpeed's fp32 all-reduce, which zengine does not implement (got "
+        "True); remove the key or set it to false",
         "amp: DeepSpeed's apex AMP, which zengine does not implement (got {'enabled': True}); "
         'remove the key or set it to "enabled": false; use "fp16" or "bf16"',
         "bf16.bf16_optimizer_states: DeepSpeed's bf16 optimizer states, which zengine does not "

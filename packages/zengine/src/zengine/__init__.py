@@ -19,6 +19,7 @@ from zengine._checkpoint_errors import (
 )
 from zengine._config import ConfigError, EngineConfig, load_config
 from zengine._engine import Engine
+from zengine._errors import UsageError
 from zengine._estimate import (
     MemoryEstimate,
     estimate_memory,
@@ -67,6 +68,7 @@ __all__ = [
     "MinLossScaleError",
     "OneCycle",
     "StaticLossScaler",
+    "UsageError",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",

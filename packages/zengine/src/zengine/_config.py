@@ -37,6 +37,7 @@ from zengine._config_sections import (
     _Section,
     dtype_name,
 )
+from zengine._grad_reduction import GradReduction
 from zpartition import ZeroParamConfig
 
 __all__ = ["ConfigError", "EngineConfig", "load_config", "read_config"]
@@ -96,6 +97,23 @@ class _Sections(_Section):
     micro-batch."""
     zero_allow_untested_optimizer: Flag = False
     """Accepted for DeepSpeed compatibility: zengine runs any torch optimizer at every stage."""
+    zero_force_ds_cpu_optimizer: Flag = True
+    """With ``offload_optimizer``, refuse an optimizer passed to ``initialize`` unless it is
+    ``ops.adam.DeepSpeedCPUAdam`` or ``ops.lion.DeepSpeedCPULion`` (DeepSpeed's rule: another
+    optimizer steps the host's masters slowly); false lets any optimizer step there."""
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """What the data-parallel reduction makes of the ranks' gradients: their mean or their sum
+    (matched case-insensitively; [Note: gradient reduction])."""
+    prescale_gradients: Flag = False
+    """Divide the gradients by the data-parallel size before their sum, not after."""
+    gradient_predivide_factor: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    """Divide the gradients by this before their sum, and the sum by ranks / factor after."""
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _lower_op(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value  # DeepSpeed lowercases it
+
     host_memory_trim: Literal["idle", "step", "off"] = "idle"
     """On CPU, when the engine hands the heap's freed memory back to the system ([Note:
     returning memory on CPU]): once it has sat idle a second after a step or an evaluation
@@ -134,6 +152,11 @@ class EngineConfig(_Sections):
         """``communication_data_type`` as a torch dtype (None when not given)."""
         name = self.communication_data_type
         return None if name is None else _TORCH_DTYPES[name]
+
+    @property
+    def gradient_reduction(self) -> GradReduction:
+        """``gradient_allreduce_op``, ``prescale_gradients`` and ``gradient_predivide_factor``."""
+        return GradReduction.from_config(self)
 
     @property
     def gradient_accumulation_dtype(self) -> DataType | None:

@@ -9,8 +9,8 @@ below is set aside before validation, by what its value asks for:
 - nothing (the feature off, or DeepSpeed's default): dropped without a word;
 - a report only (loggers, profilers, the autotuner): dropped with a warning that zengine does
   not produce it; the training is the same without it;
-- a different training (quantized or hierarchical communication, a partial offload, gradient
-  prescaling, ...): a config error naming the key and the value that would turn it off.
+- a different training (quantized or hierarchical communication, a partial offload, fp32
+  all-reduce, ...): a config error naming the key and the value that would turn it off.
 
 DeepSpeed's deprecated ``cpu_offload`` and ``cpu_offload_param`` switches are read as the
 sections that replaced them, as DeepSpeed reads them, with a warning. A key that is in neither
@@ -97,7 +97,6 @@ _KEYS = (
     ),
     _Key(("sparse_attention",), "sparse attention kernels", _empty, report=True),
     # the same training whatever the value
-    _Key(("zero_force_ds_cpu_optimizer",), "CPU Adam", _anything),
     _Key(("local_rank",), "the launcher's rank", _anything),  # DeepSpeed's examples set it
     _Key((_ZERO, "memory_efficient_linear"), "ZeRO-3 linear layer", _anything),
     _Key((_ZERO, "log_trace_cache_warnings"), "trace cache warnings", _anything),
@@ -114,8 +113,6 @@ _KEYS = (
     _Key(("bf16", "immediate_grad_update"), "immediate gradient updates", _anything),
     _Key(("bfloat16", "immediate_grad_update"), "immediate gradient updates", _anything),
     # another training: refused unless off
-    _Key(("prescale_gradients",), "gradient prescaling", _is(False), "false"),
-    _Key(("gradient_predivide_factor",), "gradient pre-divide factor", _is(1, 1.0), "1.0"),
     _Key(("fp32_allreduce",), "fp32 all-reduce", _is(False), "false"),
     _Key(("disable_allgather",), "disabled all-gathers", _is(False), "false"),
     _Key(("sparse_gradients",), "sparse embedding gradients", _is(False), "false"),

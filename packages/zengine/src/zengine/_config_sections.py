@@ -172,6 +172,14 @@ class OptimizerConfig(_Section):
     @field_validator("type", mode="before")
     @classmethod
     def _canonical_type(cls, value: object) -> object:
+        if isinstance(value, str) and value.lower() == "muon":
+            # DeepSpeed's Muon orthogonalizes each weight matrix (Newton-Schulz): it needs the
+            # parameters' shapes, and the engine steps flat partitions of them
+            raise config_error(
+                "'Muon' updates each parameter as a matrix, but zengine steps flat partitions "
+                "of the parameters (one tensor per group), which have no matrix shape; use an "
+                f"elementwise optimizer ({', '.join(OPTIMIZERS)})"
+            )
         return _choose(value, OPTIMIZERS, "optimizer")
 
     @field_validator("params")
@@ -435,6 +443,11 @@ class PipelineConfig(_Section):
     """Accepted for DeepSpeed compatibility; the PipelineModule's ``seed_layers`` rules."""
     activation_checkpoint_interval: int = Field(default=0, ge=0)
     """Checkpoint every this many layers; 0 keeps the PipelineModule's own interval."""
+    use_reentrant: Flag | None = None
+    """DeepSpeed's: false sets the PipelineModule's checkpoint function to
+    ``zengine.checkpointing.non_reentrant_checkpoint``; true keeps the module's own (reentrant
+    by default), and the first stage's floating-point inputs then require grad. None: true,
+    except with ``zero_bubble``, whose split backward reentrant checkpointing cannot run."""
     pipe_partitioned: Flag = True
     """Accepted for DeepSpeed compatibility (tensor slicing of activations)."""
     grad_partitioned: Flag = True

@@ -271,6 +271,19 @@ class Engine(nn.Module):
     def fp16_enabled(self) -> bool:
         return bool(self.config.fp16_enabled)
 
+    @property
+    def gradient_average(self) -> bool:
+        """Whether the ranks' gradients are averaged (``gradient_allreduce_op`` "mean"), not
+        summed ([Note: gradient reduction])."""
+        return bool(self.config.gradient_reduction.average)
+
+    def postscale_gradients(self) -> bool:
+        """Whether the division by the ranks comes after the sum (``prescale_gradients`` off)."""
+        return not self.config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return float(self.config.gradient_predivide_factor)
+
     def bfloat16_enabled(self) -> bool:
         return bool(self.config.bf16_enabled)
 

@@ -73,7 +73,8 @@ class GradBuckets:
     `low`: with `storage` of a wider dtype, the compute-dtype buffers the ``.grad`` are views
     of, folded into `storage` after every backward. `dtype`: what the reductions run in
     (``communication_data_type``), unless the parameters' ``comm_dtype`` says otherwise (see
-    `_cut`); None: the parameters'."""
+    `_cut`); None: the parameters'. `scale`: the factors of DeepSpeed's reduction options
+    (`GradReduction.factors`), None for the mean."""
 
     def __init__(
         self,
@@ -88,8 +89,12 @@ class GradBuckets:
         storage: Sequence[torch.Tensor] | None = None,
         low: Sequence[torch.Tensor] | None = None,
         dtype: torch.dtype | None = None,
+        scale: tuple[float, float] | None = None,
     ) -> None:
         self.group = group
+        # (before, after) the sum of a bucket, in its dtype ([Note: gradient reduction]);
+        # None: the mean
+        self.scale = scale
         self.storage = None if storage is None else list(storage)
         self.folding = low is not None  # every backward's hooks fold their buckets
         self.armed = True  # whether this backward's hooks act (stages 0, 1: the boundary's)
@@ -169,21 +174,24 @@ class GradBuckets:
         buffer, (_, size) = bucket.fresh(), self.partitions[bucket.group]
         if buffer.dtype != bucket.dtype:  # a range of the gradient buffer, reduced in another
             buffer = bucket.buffer = buffer.to(bucket.dtype)
+        op = zcomm.ReduceOp.AVG
+        if self.scale is not None:
+            op = zcomm.ReduceOp.SUM
+            if self.scale[0] != 1.0:  # the buffer is dropped, or zeroed, once reduced
+                buffer.mul_(self.scale[0])
         if bucket.lo == 0 and bucket.hi == buffer.numel() == size * self.world:
             # reduced in place: this rank's chunk of the buffer is its partition's part
             bucket.scattered = buffer[self.rank * size :][:size]
             bucket.handle = zcomm.reduce_scatter_tensor(
                 bucket.scattered,
                 buffer,
-                op=zcomm.ReduceOp.AVG,
+                op=op,
                 group=self.group,
                 async_op=self.overlap,
                 scratch_input=True,  # the buffer is dropped, or zeroed (stages 0, 1), after
             )
         else:
-            bucket.handle = zcomm.all_reduce(
-                buffer, op=zcomm.ReduceOp.AVG, group=self.group, async_op=self.overlap
-            )
+            bucket.handle = zcomm.all_reduce(buffer, op=op, group=self.group, async_op=self.overlap)
         self._next += 1
         # the buckets started before this one had a bucket's worth of backward to finish in:
         # landing them now keeps at most two buckets alive (stage 2 held every bucket until
@@ -203,6 +211,8 @@ class GradBuckets:
             if mine is None and start < stop:
                 mine = bucket.buffer[start - bucket.lo : stop - bucket.lo]
             if mine is not None:
+                if self.scale is not None and self.scale[1] != 1.0:
+                    mine.mul_(self.scale[1])  # in the reduction's dtype, as DeepSpeed
                 part = self.grads[bucket.group][start - lo : stop - lo]
                 part.add_(mine if mine.device == part.device else mine.to(part.device))
             bucket.buffer, bucket.handle, bucket.scattered = None, None, None

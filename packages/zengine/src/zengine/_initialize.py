@@ -29,6 +29,11 @@ from zengine._loss_scaler import DynamicLossScaler, StaticLossScaler
 from zengine._lr_schedules import build_scheduler
 from zengine._offload_optimizer import NvmeStateSwapper
 from zengine._offload_param import NvmeShardStore
+from zengine._refusals import (
+    check_allgather_bucket_size,
+    check_offloaded_optimizer,
+    checked_optimizer,
+)
 from zengine._unused_params import is_optimized
 from zengine._zero_optimizer import LossScaler, ZeroOptimizer
 from zengine.ops.lion import FusedLion
@@ -96,12 +101,15 @@ def initialize(
     if make_optimizer is None:
         engine = _without_optimizer(model, lr_scheduler, cfg, group, device)
         return engine, None, training_loader(engine, training_data, collate_fn), None
+    check_allgather_bucket_size(cfg)
+    # DeepSpeed's reduction options, as factors around a sum ([Note: gradient reduction])
+    reduce_scale = cfg.gradient_reduction.factors(dist.get_world_size(group))
     mark_comm_dtypes(model, cfg, device)  # before the gradient buckets are cut
     loss_scaler = _loss_scaler(cfg, device)
     offload = _offload_masters(cfg)
     layout: FlatLayout | ShardedLayout
     if cfg.zero_stage == 3:
-        handle = _partition(model, cfg, group, device)
+        handle = _partition(model, cfg, group, device, reduce_scale)
         layout = _stage3_layout(handle, groups, cfg, group, device, offload)
     else:
         handle = None
@@ -115,6 +123,7 @@ def initialize(
             overlap=cfg.zero_optimization.overlap_comm,
             reduce_dtype=cfg.communication_dtype,
             accumulate_dtype=cfg.accumulation_dtype,
+            reduce_scale=reduce_scale,
             **offload,
         )
     zero = ZeroOptimizer(
@@ -248,10 +257,15 @@ def _swap_to_nvme(zero: ZeroOptimizer, cfg: EngineConfig) -> None:
 
 
 def _partition(
-    model: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None, device: torch.device
+    model: nn.Module,
+    cfg: EngineConfig,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    reduce_scale: tuple[float, float] | None = None,
 ) -> zpartition.Partitioned:
     """Stage 3: partition what is not yet (cast to fp16 or bf16 when one is enabled; else
-    left in its own dtype, as at stages 0-2), then hook the model."""
+    left in its own dtype, as at stages 0-2), then hook the model; `reduce_scale`: the
+    factors of DeepSpeed's reduction options (None: the mean)."""
     cast = cfg.dtype if cfg.dtype != torch.float32 else None
     for p in zpartition_params(model):
         if zpartition.is_zero_param(p):
@@ -270,7 +284,9 @@ def _partition(
     zero = cfg.zero_optimization
     asked = "contiguous_gradients" in zero.model_fields_set
     keep = zero.contiguous_gradients and (device.type == "cuda" or asked)
-    knobs = dataclasses.replace(cfg.zero_param_config(), persistent_grad_buckets=keep)
+    knobs = dataclasses.replace(
+        cfg.zero_param_config(), persistent_grad_buckets=keep, reduce_scale=reduce_scale
+    )
     handle = zpartition.partition(
         model,
         config=knobs,
@@ -348,6 +364,7 @@ def _optimizer_factory(
     """What builds the optimizer over the masters' groups; None when there is no optimizer."""
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_elementwise(optimizer)
+        check_offloaded_optimizer(optimizer, cfg)
         return lambda groups: _repoint(optimizer, groups)
     if optimizer is not None:
         if not callable(optimizer):
@@ -355,7 +372,7 @@ def _optimizer_factory(
                 "initialize(optimizer=...): expected a torch optimizer, a callable taking "
                 f"parameter groups, or None; got {type(optimizer).__name__}"
             )
-        return lambda groups: optimizer(groups)
+        return lambda groups: checked_optimizer(optimizer(groups), cfg)
     if cfg.optimizer is None:
         return None
     kind = cfg.optimizer.type.lower()

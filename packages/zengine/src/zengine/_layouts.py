@@ -41,8 +41,14 @@ from zpartition import ZeroParameter
 __all__ = ["FlatLayout", "ShardedLayout"]
 
 
-def _padded(numel: int, world: int) -> int:
-    return -(-numel // world) * world
+ALIGNMENT = 2
+"""Elements each rank's partition of a group starts on (stages 1 and 2): 4 bytes of a 16-bit
+dtype, so that NCCL's all-gather reads aligned buffers, as DeepSpeed aligns them (its
+``nccl_start_alignment_factor``)."""
+
+
+def _padded(numel: int, multiple: int) -> int:
+    return -(-numel // multiple) * multiple
 
 
 def _add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -67,11 +73,13 @@ class FlatLayout:
         during_backward: bool = True,
         reduce_dtype: torch.dtype | None = None,
         accumulate_dtype: torch.dtype | None = None,
+        reduce_scale: tuple[float, float] | None = None,
     ) -> None:
         """`bucket_size`, `overlap`, `reduce_dtype` and `accumulate_dtype`:
         ``reduce_bucket_size``, ``overlap_comm``, ``communication_data_type`` and
         ``data_types.grad_accum_dtype`` (stages 0 and 1; stage 2 adds each backward's reduced
-        gradients into fp32 partitions, stage 3 is `ShardedLayout`'s). Without
+        gradients into fp32 partitions, stage 3 is `ShardedLayout`'s); `reduce_scale`: the
+        factors of DeepSpeed's reduction options (`GradReduction.factors`; None: the mean). Without
         `during_backward` (a pipeline, whose batch runs many backward passes and reduces tied
         weights' gradients after them) stages 0 and 1 reduce when ``after_backward`` says."""
         self.stage = stage
@@ -128,6 +136,7 @@ class FlatLayout:
             # past the hooks
             low=(self.low_grad_flats or None) if during_backward else None,
             dtype=reduce_dtype,
+            scale=reduce_scale,
         )
         # id(param) -> (group, offset in the group's flat buffers)
         self._offset_of = {id(p): (g, off) for g, pairs in enumerate(offsets) for p, off in pairs}
@@ -139,7 +148,8 @@ class FlatLayout:
         """One flat buffer holding `params`, which become views of it; their offsets."""
         total = sum(p.numel() for p in params)
         dtype = params[0].dtype if params else torch.float32
-        flat = torch.zeros(_padded(total, self.world), dtype=dtype, device=device)
+        multiple = self.world * (ALIGNMENT if self.stage > 0 else 1)  # partitions aligned
+        flat = torch.zeros(_padded(total, multiple), dtype=dtype, device=device)
         offsets, offset = [], 0
         for p in params:
             n = p.numel()

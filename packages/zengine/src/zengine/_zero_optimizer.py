@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
+from zengine._deepspeed_views import DeepSpeedViews
 from zengine._host_memory import zero_releasing_pages
 from zengine._offload_optimizer import NvmeStateSwapper
 from zengine._partitions import Partitions
@@ -59,11 +60,13 @@ class _Tile:
     stepped: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(DeepSpeedViews):
     """What ``engine.optimizer`` is: the wrapped torch optimizer over the flat partitions.
 
     ``param_groups`` are the torch optimizer's (LR schedulers change them);
-    ``grad_partitions_flat_buffer`` is this rank's flat fp32 gradient partition.
+    ``grad_partitions_flat_buffer`` is this rank's flat fp32 gradient partition. DeepSpeed's
+    attribute names (``fp16_groups``, ``averaged_gradients``, ``cur_scale``, ...) are views of
+    its state (`DeepSpeedViews`).
     """
 
     def __init__(
@@ -160,50 +163,6 @@ class ZeroOptimizer:
     @property
     def grad_partitions_flat_buffer(self) -> torch.Tensor:
         return self.partitions.grad_partitions_flat_buffer
-
-    @property
-    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
-        return self.partitions.masters
-
-    @property
-    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
-        return {g: [grad] for g, grad in enumerate(self.partitions.grads)}
-
-    @property
-    def cur_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-
-    @property
-    def loss_scale(self) -> float:
-        """DeepSpeed's other name for `cur_scale` (1.0 without fp16's loss scaling)."""
-        return self.cur_scale
-
-    @property
-    def dynamic_loss_scale(self) -> bool:
-        """Whether the loss scale adapts to overflows (fp16 with ``loss_scale`` 0)."""
-        return bool(getattr(self.loss_scaler, "dynamic", False))
-
-    @property
-    def scale_window(self) -> int | None:
-        """Steps without an overflow before a dynamic scale grows (None: not dynamic)."""
-        return getattr(self.loss_scaler, "scale_window", None)
-
-    @property
-    def min_loss_scale(self) -> float | None:
-        """The smallest dynamic loss scale (None: not dynamic)."""
-        return getattr(self.loss_scaler, "min_scale", None)
-
-    @property
-    def cur_iter(self) -> int:
-        """Steps the dynamic loss scaler has counted (0 without one)."""
-        return int(getattr(self.loss_scaler, "cur_iter", 0))
-
-    @property
-    def loss_scale_config(self) -> ZeroOptimizer:
-        """Where DeepSpeed 0.18 and later keep the fp16 scale's state (``cur_scale``,
-        ``cur_iter``, ``scale_window``, ``min_loss_scale``, ``dynamic_loss_scale``): here the
-        optimizer itself, which answers to the same names."""
-        return self
 
     def stepped_tensors(self) -> list[torch.Tensor]:
         """What the torch optimizer steps: flat fp32 masters, or the fp32 shards themselves."""

@@ -1,0 +1,166 @@
+"""DeepSpeed's names on the ZeRO optimizer: views of its state that tests and tools read.
+
+DeepSpeed's tests, and tools written against its optimizers, read attributes of
+``engine.optimizer`` (``fp16_groups``, ``averaged_gradients``, ``cur_scale``, ...). Each name
+here means what it means on DeepSpeed's optimizer of the same stage, with the same shapes, and
+is a view of zengine's own state, not a copy kept in step with it. DeepSpeed's names that would
+need state zengine does not keep are left out (the compat package's README lists them, with
+why).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zcomm
+from zengine._layouts import ALIGNMENT, FlatLayout
+from zengine._partitions import Partitions
+
+if TYPE_CHECKING:
+    from zengine._zero_optimizer import Layout, LossScaler
+
+__all__ = ["DeepSpeedViews"]
+
+
+class DeepSpeedViews:
+    """DeepSpeed's attribute names, for `ZeroOptimizer` (a base class of it)."""
+
+    # set by ZeroOptimizer.__init__
+    stage: int
+    layout: Layout
+    partitions: Partitions
+    group: dist.ProcessGroup | None
+    loss_scaler: LossScaler | None
+    global_grad_norm: float | None
+
+    # -- the parameters and their partitions -------------------------------------------------
+
+    @property
+    def fp16_groups(self) -> list[list[nn.Parameter]]:
+        """Each optimizer group's trainable parameters, in order (DeepSpeed's stage-3 name, its
+        ``bit16_groups`` at stages 1-2). DeepSpeed's stage 3 cuts a group into sub-groups of
+        ``sub_group_size`` elements and lists those; with the default size one sub-group is
+        the group, as here."""
+        return [list(params) for params in self.layout.params]
+
+    bit16_groups = fp16_groups
+
+    @property
+    def nccl_start_alignment_factor(self) -> int:
+        """Stages 1 and 2: each rank's partition of a group starts on a multiple of this many
+        elements (4 bytes of a 16-bit dtype); ``allgather_bucket_size`` must be one too."""
+        self._flat_partitions("nccl_start_alignment_factor")
+        return ALIGNMENT
+
+    @property
+    def parallel_partitioned_bit16_groups(self) -> list[list[torch.Tensor]]:
+        """Stages 1 and 2: per group, every rank's partition of the parameters' flat buffer (in
+        the compute dtype), in rank order: views of the storage the parameters are views of."""
+        layout = self._flat_partitions("parallel_partitioned_bit16_groups")
+        return [
+            list(flat.view(layout.world, -1).unbind(0)) if flat.numel() else []
+            for flat in layout.flats
+        ]
+
+    parallel_partitioned_fp16_groups = parallel_partitioned_bit16_groups  # DeepSpeed's old name
+
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        """Per group, this rank's fp32 master partition, flat (stages 0-2)."""
+        return self.partitions.masters
+
+    # -- the gradients -----------------------------------------------------------------------
+
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        """Per group, this rank's reduced gradient partition (one flat tensor)."""
+        return {g: [grad] for g, grad in enumerate(self.partitions.grads)}
+
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """``{group: {index in the group: gradient}}``, each this rank's piece of a
+        parameter's reduced gradient in fp32 (DeepSpeed's stage-3 method): at stage 3 its
+        shard's, ``ceil(numel / ranks)`` elements, zero past the parameter's end on the last
+        ranks; at stages 0-2 the part of the parameter in this rank's partition (possibly
+        empty). A view of the gradient partitions when they are fp32, else an fp32 copy."""
+        found: dict[int, dict[int, torch.Tensor]] = {}
+        for g, params in enumerate(self.layout.params):
+            for i, p in enumerate(params):
+                grad = self.partitions.grad_of(p)
+                if grad is not None:
+                    found.setdefault(g, {})[i] = grad.float()
+        return found
+
+    def _get_norm_groups(self) -> list[torch.Tensor]:
+        """Per group, the norm of its reduced gradients over every rank (of the loss-scaled
+        gradients with fp16, as DeepSpeed's before its step unscales them). Every rank of the
+        data-parallel group must call it."""
+        grads = self.partitions.grads
+        if not grads:
+            return []
+        squares = torch.stack(
+            [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]
+        )
+        if self.stage > 0:  # stage 0 ranks hold the same averaged gradients: nothing to sum
+            zcomm.all_reduce(squares, group=self.group)
+        return list(squares.sqrt().unbind(0))
+
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (DeepSpeed's name for
+        ``global_grad_norm``; None before the first step and after a skipped one)."""
+        return self.global_grad_norm
+
+    # -- fp16 loss scaling -------------------------------------------------------------------
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's other name for `cur_scale` (1.0 without fp16's loss scaling)."""
+        return self.cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale adapts to overflows (fp16 with ``loss_scale`` 0)."""
+        return bool(getattr(self.loss_scaler, "dynamic", False))
+
+    @property
+    def scale_window(self) -> int | None:
+        """Steps without an overflow before a dynamic scale grows (None: not dynamic)."""
+        return getattr(self.loss_scaler, "scale_window", None)
+
+    @property
+    def min_loss_scale(self) -> float | None:
+        """The smallest dynamic loss scale (None: not dynamic)."""
+        return getattr(self.loss_scaler, "min_scale", None)
+
+    @property
+    def cur_iter(self) -> int:
+        """Steps the dynamic loss scaler has counted (0 without one)."""
+        return int(getattr(self.loss_scaler, "cur_iter", 0))
+
+    @property
+    def loss_scale_config(self) -> DeepSpeedViews:
+        """Where DeepSpeed 0.18 and later keep the fp16 scale's state (``cur_scale``,
+        ``cur_iter``, ``scale_window``, ``min_loss_scale``, ``dynamic_loss_scale``): here the
+        optimizer itself, which answers to the same names."""
+        return self
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _flat_partitions(self, name: str) -> FlatLayout:
+        """The layout of stages 1 and 2, whose flat partitions `name` describes; other stages
+        have no such attribute (DeepSpeed's optimizers there have none either)."""
+        layout = self.layout
+        if not isinstance(layout, FlatLayout) or layout.stage not in (1, 2):
+            raise AttributeError(
+                f"{type(self).__name__}.{name}: DeepSpeed's ZeRO stage 1-2 optimizer attribute; "
+                f"this optimizer runs ZeRO stage {self.stage}"
+            )
+        return layout
