@@ -318,6 +318,7 @@ def _stage3_layout(
     )
     _shards_to_nvme(handle, layout, cfg)
     handle.set_gradient_sink(layout.sink)
+    layout.take_written = handle.take_written  # masters re-read from shards written directly
     return layout
 
 

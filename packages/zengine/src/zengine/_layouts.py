@@ -24,7 +24,7 @@ parameters must stay.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -326,6 +326,10 @@ class ShardedLayout:
         self._same_device = master_device == shard_device  # foreach copies need one device
         # set with offload_param to NVMe: its shards must be in memory for the step
         self.partitioned: zpartition.Partitioned | None = None
+        # the partitioned model's journal of shards written through `ds_tensor` (set by
+        # initialize), and the written parameters whose masters are still to be re-read
+        self.take_written: Callable[[], list[ZeroParameter]] | None = None
+        self._written: dict[int, ZeroParameter] = {}
         self.shard_store: NvmeShardStore | None = None
         self.read_back()
 
@@ -396,11 +400,32 @@ class ShardedLayout:
         return self._tiles if len(self._tiles) > 1 else None
 
     def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None:
-        """offload_param to NVMe: the shards the step writes into (these, or all) in memory."""
+        """offload_param to NVMe: the shards the step writes into (these, or all) in memory;
+        then the masters of those shards written through ``ds_tensor`` since the last step
+        re-read from them."""
         if self.shard_store is not None:
             self.shard_store.holding = False  # each tile's shards go back after it
         if self.partitioned is not None:
             self.partitioned.fetch_shards(self._units_of(params))
+        self._read_written(params)
+
+    def _read_written(self, params: Sequence[nn.Parameter] | None) -> None:
+        """A shard written through ``ds_tensor`` (DeepSpeed code writes ``param.ds_tensor.data
+        = t``) into its master, before the step (of these parameters, or all) would write the
+        old master back over it; fp32 shards that are their own masters hold the write
+        already. Nothing is done while nothing was written."""
+        if self.take_written is not None:
+            for p in self.take_written():
+                self._written[id(p)] = p
+        if not self._written or self.aliased:
+            self._written.clear()
+            return
+        keys = list(self._written) if params is None else [id(p) for p in params]
+        # a frozen parameter has no master: its shard, written, is all there is
+        due = [key for key in keys if self._written.pop(key, None) is not None]
+        pairs = [self._pair_of[key] for key in due if key in self._pair_of]
+        if pairs:
+            self._copy([m for _, m in pairs], [s for s, _ in pairs])  # type: ignore[misc]
 
     def read_back(self) -> None:
         """The shards into the masters, the inverse of `write_back` (nothing to do when the
