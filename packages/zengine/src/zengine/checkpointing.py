@@ -5,8 +5,11 @@ for a model's own blocks.
 runs again in backward. torch's non-reentrant checkpoint is underneath, so it composes with
 ZeRO-3's hooks (the recomputation gathers its parameters again), ``torch.autocast`` and
 ``torch.compile``, restores the RNG states (dropout draws the same masks), and takes keyword
-arguments and outputs of any structure. ``configure()`` sets, as DeepSpeed's does (its
-arguments first, then the ``activation_checkpointing`` section of `deepspeed_config`):
+arguments and outputs of any structure. ``reentrant_checkpoint(function, *args)`` is torch's
+reentrant checkpoint (what DeepSpeed's ``checkpoint`` is), the default of a
+``PipelineModule`` (``pipeline.use_reentrant``). ``configure()`` sets, for both, as
+DeepSpeed's does (its arguments first, then the ``activation_checkpointing`` section of
+`deepspeed_config`: a dict, a JSON path, or an engine's ``engine.config``):
 
 - ``checkpoint_in_cpu`` (``cpu_checkpointing``): the floating-point inputs a checkpoint keeps
   for its recomputation wait in host memory, so between its forward and its backward a
@@ -21,7 +24,9 @@ arguments first, then the ``activation_checkpointing`` section of `deepspeed_con
   refused rather than ignored.
 
 The engine does not read the config section itself, as DeepSpeed's does not: a model calls
-``configure(None, deepspeed_config=...)`` to take it.
+``configure(None, deepspeed_config=...)`` to take it. ``engine.config`` is accepted as DeepSpeed
+scripts pass it, but it holds no such section (the engine sets it aside, with a warning when
+it asks for anything): pass the dict or the path to have the section read.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ __all__ = [
     "is_configured",
     "non_reentrant_checkpoint",
     "partition_activations_in_checkpoint",
+    "reentrant_checkpoint",
     "reset",
     "set_num_layers",
 ]
@@ -90,7 +96,7 @@ _settings = _Settings()
 
 def configure(
     mpu_: Any = None,
-    deepspeed_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    deepspeed_config: Mapping[str, Any] | str | os.PathLike[str] | BaseModel | None = None,
     partition_activations: bool | None = None,
     contiguous_checkpointing: bool | None = None,
     num_checkpoints: int | None = None,
@@ -99,7 +105,8 @@ def configure(
     profile: bool | None = None,
 ) -> None:
     """Set how `checkpoint` works (DeepSpeed's signature; the arguments given override
-    `deepspeed_config`'s ``activation_checkpointing`` section, a dict or a JSON path)."""
+    `deepspeed_config`'s ``activation_checkpointing`` section: of a dict, a JSON path or an
+    engine's ``engine.config``)."""
     section = _section(deepspeed_config)
     given = _Settings(
         configured=True,
@@ -141,15 +148,33 @@ def configure(
 
 
 def _section(
-    config: Mapping[str, Any] | str | os.PathLike[str] | None,
+    config: Mapping[str, Any] | str | os.PathLike[str] | BaseModel | None,
 ) -> ActivationCheckpointingConfig:
-    """The ``activation_checkpointing`` section of a DeepSpeed config (a dict or JSON path)."""
+    """The ``activation_checkpointing`` section of a DeepSpeed config: a dict, a JSON path, or
+    a validated config object (``engine.config``; DeepSpeed scripts pass the engine's on)."""
     if config is None:
         return ActivationCheckpointingConfig()
+    if isinstance(config, BaseModel):
+        return _section_of(config)
     try:
         return _Sections.model_validate(read_config(config)).activation_checkpointing
     except ValidationError as error:
         raise ConfigError(describe_validation_error(error, _Sections)) from None
+
+
+def _section_of(config: BaseModel) -> ActivationCheckpointingConfig:
+    """The section of a validated config, read as DeepSpeed code reads a config dict (zengine's
+    sections answer ``get``). An engine's config holds none: initialize set the section aside,
+    with a warning when it asked for anything, so the defaults and the arguments rule."""
+    getter = getattr(config, "get", None)
+    found = getter("activation_checkpointing") if callable(getter) else None
+    if found is None:
+        return ActivationCheckpointingConfig()
+    if isinstance(found, ActivationCheckpointingConfig):
+        return found
+    if isinstance(found, BaseModel):
+        found = found.model_dump()
+    return _section({"activation_checkpointing": found})
 
 
 def _model_parallel_size(mpu: Any) -> int:
@@ -186,13 +211,7 @@ def reset() -> None:
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`function(*args, **kwargs)`, keeping none of its activations: it runs again in backward.
     With ``checkpoint_in_cpu`` its floating-point positional inputs are kept in host memory."""
-    settings = _settings
-    run = function
-    timed = settings.synchronize or settings.profile
-    if timed:
-        run = _timed(function, settings)
-    if settings.cpu:
-        run, args = _inputs_on_host(run, args)
+    run, args, timed = _configured(function, args)
     # torch stops a recomputation once it has what backward needs, by raising out of the
     # function: a timed one runs to its end, where its time is taken
     with torch_checkpoint.set_checkpoint_early_stop(not timed):
@@ -203,6 +222,37 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 non_reentrant_checkpoint = checkpoint
 """DeepSpeed's name for its non-reentrant variant; `checkpoint` is non-reentrant already."""
+
+
+def reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` under torch's reentrant checkpoint (DeepSpeed's ``checkpoint``): the
+    backward of its outputs runs the forward again and a backward inside it. It backs a
+    ``PipelineModule``'s checkpointing with ``pipeline.use_reentrant`` true; `configure`'s
+    settings apply as to `checkpoint`.
+
+    Gradients reach only the tensors among `args` themselves (not tensors nested in them), and
+    none where no input requires grad: there the call is `checkpoint`'s instead, which gives
+    the weights inside the same gradients as no checkpoint (a reentrant one would leave them
+    None; DeepSpeed avoids it by not checkpointing a GPT pipeline's embedding)."""
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return checkpoint(function, *args)
+    run, args, _ = _configured(function, args)
+    return torch_checkpoint.checkpoint(run, *args, use_reentrant=True, preserve_rng_state=True)
+
+
+def _configured(
+    function: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...], bool]:
+    """`function` and `args` as `configure`'s settings have them run (timed, inputs on the
+    host), and whether the run is timed."""
+    settings = _settings
+    run = function
+    timed = settings.synchronize or settings.profile
+    if timed:
+        run = _timed(function, settings)
+    if settings.cpu:
+        run, args = _inputs_on_host(run, args)
+    return run, args, timed
 
 
 def _inputs_on_host(

@@ -18,6 +18,8 @@ from torch import nn
 
 import zcomm
 import zpipe
+from zengine import checkpointing
+from zengine._config_sections import PipelineConfig
 from zengine._engine import Checkpoints, Engine
 from zengine.pipe._agreement import check_agreement
 from zengine.pipe._eager import EagerSends
@@ -118,6 +120,32 @@ class PipelineEngine(Engine):
         #: set to a dict to record each computation's seconds by kind: "F" (forward), "B"
         #: (backward), "I" and "W" (the halves of a split backward); None records nothing
         self.compute_times: dict[str, list[float]] | None = None
+        self._configure_checkpointing(config.pipeline)
+
+    def _configure_checkpointing(self, pipe: PipelineConfig) -> None:
+        """The config's activation checkpointing, as DeepSpeed's engine sets it on the module:
+        ``use_reentrant`` false picks the non-reentrant function whatever the interval (the
+        module's `set_checkpoint_interval` may turn checkpointing on later), and a positive
+        ``activation_checkpoint_interval`` replaces the module's."""
+        reentrant = pipe.use_reentrant
+        if reentrant is None:  # DeepSpeed's default, true, where the schedule can run it
+            reentrant = pipe.schedule != "zero_bubble"
+        if not reentrant:
+            self.module.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
+        if pipe.activation_checkpoint_interval > 0:
+            self.module.activation_checkpoint_interval = pipe.activation_checkpoint_interval
+        self.module._precompute_checkpointable_values()
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """DeepSpeed's: whether the module checkpoints with a reentrant function (any but
+        `checkpointing.non_reentrant_checkpoint`), read from the module at each load since
+        `set_checkpoint_interval` may change it. The first stage's floating-point inputs then
+        require grad: a reentrant checkpoint of the first segment would otherwise cut it off
+        from autograd."""
+        module = self.module
+        if module.activation_checkpoint_interval <= 0:
+            return False
+        return module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
 
     def _checkpoints(self) -> Checkpoints:
         """One checkpoint per stage under one 'latest' (pipe/_checkpoint.py)."""
@@ -163,16 +191,23 @@ class PipelineEngine(Engine):
         self.training_dataloader = loader
         self._data_iterator = None
 
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """What ``train_batch()`` reads when given no iterator (DeepSpeed's): `iterator`, from
+        where it is, until it ends."""
+        self._data_iterator = iterator
+
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Train on one batch from `data_iter` (``(inputs, labels)`` micro-batches, read on
-        the first and the last stage; by default the loader of ``initialize(training_data=)``,
-        restarted when it ends) and step; returns the mean loss, on every rank."""
+        the first and the last stage; by default the iterator of the last call that gave one,
+        or the loader of ``initialize(training_data=)``, restarted when it ends) and step;
+        returns the mean loss, on every rank."""
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() needs gradients: it was called under no_grad")
-        if data_iter is None and self.training_dataloader is not None:
-            if self._data_iterator is None:
-                self._data_iterator = RepeatingLoader(self.training_dataloader)
-            data_iter = self._data_iterator
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)  # DeepSpeed's: train_batch() goes on with it
+        elif self._data_iterator is None and self.training_dataloader is not None:
+            self._data_iterator = RepeatingLoader(self.training_dataloader)
+        data_iter = self._data_iterator
         self.module.train()
         self._idle_trim.busy()
         self.optimizer.layout.before_backward(boundary=True)  # the batch ends with a step

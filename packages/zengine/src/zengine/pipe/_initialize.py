@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import zcomm
 from zengine._autocast import mark_comm_dtypes
@@ -17,7 +17,6 @@ from zengine._initialize import (
     _param_groups,
     _prepare_dense,
     _scheduler,
-    training_loader,
 )
 from zengine._layouts import FlatLayout
 from zengine.pipe._engine import PipelineEngine
@@ -47,6 +46,12 @@ def _check(cfg: EngineConfig, model: PipelineModule) -> None:
             f"pipeline.schedule: {pipe.schedule!r} runs one chunk per stage, but the "
             f"PipelineModule has chunks={model.chunks}; use 'interleaved'"
         )
+    if pipe.use_reentrant and pipe.schedule == "zero_bubble":
+        problems.append(
+            "pipeline.use_reentrant: true with schedule 'zero_bubble': a reentrant checkpoint "
+            "cannot run a backward split in two (torch's refuses autograd.grad); set it false "
+            "or leave it out"
+        )
     if cfg.zero_stage > 1:
         problems.append(
             f"zero_optimization.stage: {cfg.zero_stage} with a PipelineModule; pipeline "
@@ -73,8 +78,6 @@ def initialize_pipeline(
     dp_group = grid.get_data_parallel_group()
     cfg = load_config(config, world_size=grid.get_data_parallel_world_size())
     _check(cfg, model)
-    if cfg.pipeline.activation_checkpoint_interval > 0:
-        model.activation_checkpoint_interval = cfg.pipeline.activation_checkpoint_interval
     device = torch.device(zcomm.get_accelerator().current_device_name())
     groups, options = _param_groups(model, optimizer, model_parameters)
     make_optimizer = _optimizer_factory(optimizer, cfg)
@@ -112,4 +115,24 @@ def initialize_pipeline(
             p.__dict__["_zengine_optimizer"] = zero  # how the safe_get_* functions find it
     scheduler = _scheduler(lr_scheduler, zero, cfg)
     engine = PipelineEngine(model, zero, scheduler, config=cfg, device=device)
-    return engine, zero, training_loader(engine, training_data, collate_fn), scheduler
+    return engine, zero, _training_loader(engine, training_data, collate_fn), scheduler
+
+
+def _training_loader(
+    engine: PipelineEngine, data: Dataset[Any] | None, collate_fn: Callable[..., Any] | None
+) -> DataLoader[Any] | None:
+    """The loader of `training_data`, made by ``engine.deepspeed_io`` as DeepSpeed's pipeline
+    engine makes it: each data-parallel replica reads its share in the dataset's order (no
+    shuffle), so a run reads the samples DeepSpeed's would, in the same micro-batches."""
+    if data is None:
+        return None
+    grid = engine.grid
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data,
+        num_replicas=grid.get_data_parallel_world_size(),
+        rank=grid.get_data_parallel_rank(),
+        shuffle=False,
+    )
+    loader = engine.deepspeed_io(data, data_sampler=sampler, collate_fn=collate_fn)
+    engine.training_dataloader = loader
+    return loader

@@ -14,20 +14,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils import _pytree as pytree
 
 import zcomm
 from zcomm.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
+from zengine import checkpointing
 from zengine.pipe._partition import layer_name, partition_layers
 from zengine.pipe._specs import LayerSpec, TiedLayerSpec
 
 __all__ = ["PipelineModule"]
 
 Layer = Callable[[Any], Any]
-
-
-def _non_reentrant(function: Callable[..., Any], *args: Any) -> Any:
-    return checkpoint(function, *args, use_reentrant=False)
 
 
 def _topology(num_stages: int | None, topology: ProcessTopology | None) -> ProcessTopology:
@@ -60,9 +57,16 @@ class PipelineModule(nn.Module):
             a layer starts the same whichever stage builds it (`seed_fn` sets the seed).
         partition_method: ``parameters``, ``uniform``, ``type:REGEX``, or the boundaries as a
             list of ``num_stages * chunks + 1`` layer indices.
-        activation_checkpoint_interval: recompute activations every this many layers in the
-            backward (0: keep them); `activation_checkpoint_func` (non-reentrant torch
-            checkpoint by default) and `checkpointable_layers` (class names) as DeepSpeed's.
+        activation_checkpoint_interval: checkpoint this stage's layers in segments of this
+            many (0: none): a segment's activations are recomputed in the backward, if one of
+            its layers has parameters, or with `checkpointable_layers` (class names) if all
+            its layers are named there. `set_checkpoint_interval` changes it.
+        activation_checkpoint_func: ``func(function, *args)`` that checkpoints a segment;
+            by default `zengine.checkpointing.reentrant_checkpoint` (DeepSpeed's default is
+            its reentrant ``checkpoint``); ``pipeline.use_reentrant: false`` in the config
+            replaces it with ``checkpointing.non_reentrant_checkpoint``.
+        dynamic_shape: accepted for DeepSpeed compatibility: activations of a new shape are
+            always sent with their shape.
         chunks: model chunks per stage, for interleaved schedules.
     """
 
@@ -79,6 +83,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: int = 0,
         activation_checkpoint_func: Callable[..., Any] | None = None,
         checkpointable_layers: Sequence[str] | None = None,
+        dynamic_shape: bool = False,
         *,
         chunks: int = 1,
     ) -> None:
@@ -88,6 +93,7 @@ class PipelineModule(nn.Module):
             raise ValueError("PipelineModule: layers is empty")
         if chunks < 1:
             raise ValueError(f"PipelineModule(chunks={chunks}): must be at least 1")
+        _check_interval(activation_checkpoint_interval)
         zcomm.init_distributed()
         self._topo = _topology(num_stages, topology)
         self._grid = PipelineParallelGrid(topology=self._topo)
@@ -95,9 +101,20 @@ class PipelineModule(nn.Module):
         self.stage_id = self._grid.get_stage_id()
         self.chunks = chunks
         self.loss_fn = loss_fn
+        self.dynamic_shape = dynamic_shape
+        #: read by every training forward; the engine sets it from the config (when positive),
+        #: `set_checkpoint_interval` at any time
         self.activation_checkpoint_interval = activation_checkpoint_interval
-        self.activation_checkpoint_func = activation_checkpoint_func or _non_reentrant
+        self.activation_checkpoint_func = (
+            activation_checkpoint_func or checkpointing.reentrant_checkpoint
+        )
         self.checkpointable_layers = checkpointable_layers
+        #: DeepSpeed's: per segment of this stage's layers (chunk after chunk), whether it is
+        #: checkpointed, for the interval in `is_checkpointable_results_interval`
+        self.is_checkpointable_results: list[bool] = []
+        self.is_checkpointable_results_interval: int | None = None
+        #: the same per chunk, as (first layer, end, checkpointed) positions in `chunk_layers`
+        self._segments: list[list[tuple[int, int, bool]]] = []
         self._layer_specs = list(layers)
         self.parts = partition_layers(self._layer_specs, self.num_stages * chunks, partition_method)
         self.tied_modules = nn.ModuleDict()
@@ -158,18 +175,20 @@ class PipelineModule(nn.Module):
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, forward_input: Any, chunk: int = 0) -> Any:
-        """Run this stage's layers of `chunk` on `forward_input`."""
+        """Run this stage's layers of `chunk` on `forward_input`, in training checkpointed in
+        segments of `activation_checkpoint_interval` layers."""
         layers = self.chunk_layers[chunk]
-        interval = self.activation_checkpoint_interval
-        if interval <= 0 or not self.training:
+        if self.activation_checkpoint_interval <= 0 or not self.training:
             return self._run(layers, forward_input)
+        # the interval may have been assigned directly since the last forward, as DeepSpeed's
+        # engine does before it calls this
+        self._precompute_checkpointable_values()
         x = forward_input
-        for start in range(0, len(layers), interval):
-            segment = layers[start : start + interval]
-            if self._is_checkpointable(segment):
-                x = self.activation_checkpoint_func(self._runner(segment), x)
+        for start, stop, checkpointed in self._segments[chunk]:
+            if checkpointed:
+                x = self._checkpointed(layers[start:stop], x)
             else:
-                x = self._run(segment, x)
+                x = self._run(layers[start:stop], x)
         return x
 
     @staticmethod
@@ -178,15 +197,55 @@ class PipelineModule(nn.Module):
             x = layer(x)
         return x
 
-    def _runner(self, layers: Sequence[tuple[int, Layer]]) -> Callable[[Any], Any]:
-        return lambda x: self._run(layers, x)
+    def _checkpointed(self, layers: Sequence[tuple[int, Layer]], x: Any) -> Any:
+        """`layers` on `x` through `activation_checkpoint_func`, which takes the input's
+        tensors as positional arguments, as DeepSpeed passes a tuple payload: a reentrant
+        checkpoint sends gradients to those only, and returns only tensors it was given back
+        at the top (here the output's leaves, rebuilt into its structure after)."""
+        leaves, spec = pytree.tree_flatten(x)
+        out_spec: list[pytree.TreeSpec] = []  # set by each run: the forward and its recompute
 
-    def _is_checkpointable(self, layers: Sequence[tuple[int, Layer]]) -> bool:
+        def run(*inputs: Any) -> tuple[Any, ...]:
+            out = self._run(layers, pytree.tree_unflatten(list(inputs), spec))
+            flat, found = pytree.tree_flatten(out)
+            out_spec[:] = [found]
+            return tuple(flat)
+
+        flat_out = self.activation_checkpoint_func(run, *leaves)
+        return pytree.tree_unflatten(list(flat_out), out_spec[0])
+
+    # -- which layers are checkpointed (DeepSpeed's names) -------------------------------------
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint in segments of `interval` layers from the next forward (0: none)."""
+        _check_interval(interval)
+        self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Split each chunk's layers into segments of `activation_checkpoint_interval` and
+        decide which are checkpointed, once per interval: the results of another interval
+        would not line up with the segments the forward makes."""
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or self.is_checkpointable_results_interval == interval:
+            return
+        self._segments = [self._split(layers, interval) for layers in self.chunk_layers]
+        self.is_checkpointable_results = [c for chunk in self._segments for _, _, c in chunk]
+        self.is_checkpointable_results_interval = interval
+
+    def _split(
+        self, layers: Sequence[tuple[int, Layer]], interval: int
+    ) -> list[tuple[int, int, bool]]:
+        ends = [(i, min(i + interval, len(layers))) for i in range(0, len(layers), interval)]
+        return [(i, j, self._is_checkpointable([f for _, f in layers[i:j]])) for i, j in ends]
+
+    def _is_checkpointable(self, funcs: Sequence[Layer]) -> bool:
+        """Whether a segment of these layers is checkpointed (DeepSpeed's rule): all of them
+        named in `checkpointable_layers`, or without that list, one of them has parameters
+        (recomputing a segment without any saves little and costs a forward)."""
         if self.checkpointable_layers is not None:
-            return all(layer_name(f) in self.checkpointable_layers for _, f in layers)
-        return any(
-            isinstance(f, nn.Module) and any(True for _ in f.parameters()) for _, f in layers
-        )
+            return all(layer_name(f) in self.checkpointable_layers for f in funcs)
+        return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
 
     # -- tied weights --------------------------------------------------------------------------
 
@@ -243,3 +302,11 @@ class PipelineModule(nn.Module):
         for key, (_, group) in self._tied_groups.items():
             for p in self.tied_parameters(key):
                 zcomm.all_reduce(grad_of(p), group=group)
+
+
+def _check_interval(interval: int) -> None:
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ValueError(
+            f"PipelineModule: activation_checkpoint_interval={interval!r}; expected a whole "
+            "number of layers, 0 for no checkpointing"
+        )

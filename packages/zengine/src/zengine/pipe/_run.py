@@ -255,6 +255,8 @@ class BatchRun:
             fp16 = self.engine.config.fp16
             if fp16.enabled and fp16.auto_cast:
                 slot.inputs = half_floats(slot.inputs)
+            if self.train and self.engine._reentrant_activation_checkpointing():
+                slot.inputs = pytree.tree_map(_needing_grad, slot.inputs)
         if virtual == self.last:
             slot.labels = pytree.tree_map(lambda t: _to(t, device), batch[1])
 
@@ -394,3 +396,11 @@ class BatchRun:
 
 def _to(value: Any, device: torch.device) -> Any:
     return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _needing_grad(value: Any) -> Any:
+    """A floating-point tensor as a leaf that requires grad (detached first: the caller's
+    tensor stays as it was), anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_()
+    return value
