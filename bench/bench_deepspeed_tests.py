@@ -14,12 +14,15 @@ Every file runs in a fresh ``pytest`` for each contender, with DeepSpeed's own h
 spawns the ranks), ``LOCAL_SIZE=4`` (DeepSpeed's CPU accelerator counts that many devices, so
 its tests of 2 and 4 ranks run instead of skipping for want of GPUs) and
 ``DS_UNITTEST_TIMEOUT`` seconds per test; a file still running after ``FILE_TIMEOUT`` seconds is
-stopped, and its cases not reported count as hung.
+stopped, and its cases not reported count as hung. ``DEEPSPEED_TESTS_REPORTS``, if set, names a
+folder where each run's JUnit report is kept (``<contender>/<file>.xml``), to read which cases
+failed and why.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,7 +48,7 @@ class Counts:
         return f"{self.passed} / {self.failed} / {self.skipped}{hung}"
 
 
-def _run(python: str, compat: str | None, tests: Path, test_file: str) -> Counts:
+def _run(name: str, python: str, compat: str | None, tests: Path, test_file: str) -> Counts:
     """One file's cases with one contender."""
     env = {**os.environ, "LOCAL_SIZE": "4", "DS_UNITTEST_TIMEOUT": str(TEST_TIMEOUT)}
     env.pop("PYTHONPATH", None)
@@ -65,6 +68,7 @@ def _run(python: str, compat: str | None, tests: Path, test_file: str) -> Counts
         if not report.exists():  # stopped before pytest wrote it, or it never started
             counts.hung = True
             return counts
+        _keep(report, name, test_file)
         for case in ElementTree.parse(report).getroot().iter("testcase"):
             if case.find("skipped") is not None:
                 counts.skipped += 1
@@ -73,6 +77,15 @@ def _run(python: str, compat: str | None, tests: Path, test_file: str) -> Counts
             else:
                 counts.passed += 1
         return counts
+
+
+def _keep(report: Path, contender: str, test_file: str) -> None:
+    """A copy of `report` under ``DEEPSPEED_TESTS_REPORTS``, if that is set."""
+    folder = os.environ.get("DEEPSPEED_TESTS_REPORTS")
+    if folder:
+        kept = Path(folder) / contender / (test_file.replace("/", "_") + ".xml")
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(report, kept)
 
 
 def main() -> None:
@@ -99,7 +112,7 @@ def main() -> None:
     for test_file in files:
         row = []
         for name, (python, compat) in contenders.items():
-            counts = _run(python, compat, tests, test_file)
+            counts = _run(name, python, compat, tests, test_file)
             totals[name].passed += counts.passed
             totals[name].failed += counts.failed
             totals[name].skipped += counts.skipped

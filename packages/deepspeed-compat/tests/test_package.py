@@ -108,3 +108,33 @@ def test_comm_dtype_attribute_is_the_one_zengine_reads() -> None:
     assert not has_comm_dtype(param)
     setattr(param, PARAM_COMM_DTYPE_ATTR_NAME, torch.bfloat16)
     assert has_comm_dtype(param)
+
+
+def test_torch_version_checks_and_grad_hooks() -> None:
+    """``deepspeed.utils.torch``: DeepSpeed's test models guard on the torch version with it."""
+    from deepspeed.utils.torch import (
+        is_functorch_transforming,
+        register_grad_hook,
+        required_torch_version,
+    )
+
+    installed = Version(torch.__version__.split("+")[0])
+    assert required_torch_version(min_version=1.8)
+    assert required_torch_version(min_version=f"{installed.major}.{installed.minor}")
+    assert not required_torch_version(min_version=f"{installed.major}.{installed.minor + 1}")
+    assert not required_torch_version(max_version=1.8)
+    with pytest.raises(ValueError, match="min_version or max_version"):
+        required_torch_version()
+    assert not is_functorch_transforming()
+    assert torch.func.grad(lambda x: (x * is_functorch_transforming()).sum())(torch.ones(2)).sum()
+    param = torch.nn.Parameter(torch.ones(2))
+    seen: list[torch.Tensor] = []
+
+    def keep(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        seen.append(p.grad.clone())
+
+    register_grad_hook(param, keep)
+    (param * 3).sum().backward()  # type: ignore[no-untyped-call]
+    assert len(seen) == 1
+    assert torch.equal(seen[0], torch.full((2,), 3.0))

@@ -3,7 +3,7 @@ meanings and shapes, checked against the values computed by hand."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -133,4 +133,52 @@ class TestPartitionAlignment(DistributedTest):
             with pytest.raises(AttributeError, match=f"this optimizer runs ZeRO stage {stage}"):
                 getattr(optimizer, name)
             assert not hasattr(optimizer, name)
+        engine.destroy()
+
+
+class TestStage3SubGroups(DistributedTest):
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    def test_sub_groups_and_their_flat_masters(self, world_size: int) -> None:
+        """With a small ``sub_group_size`` each Linear is a sub-group of its own (tiles end
+        between modules), listed as DeepSpeed lists them; each has one flat fp32 master, the
+        tensor the torch optimizer keeps its state for (DeepSpeed's TestZeroAdamOptimizerStepCount
+        reads the step count there)."""
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "bf16": {"enabled": True},
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "sub_group_size": 4,
+            },
+        }
+        engine, optimizer, *_ = zengine.initialize(model=model, config=cfg)
+        layers = [cast(nn.Linear, layer) for layer in model]
+        expected = [[id(layer.weight), id(layer.bias)] for layer in layers]
+        assert [[id(p) for p in g] for g in optimizer.fp16_groups] == expected
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum())
+            engine.step()
+        flats = optimizer.fp32_partitioned_groups_flat
+        assert len(flats) == len(layers)
+        for flat, layer in zip(flats, layers, strict=True):
+            shards = [layer.weight.ds_tensor, layer.bias.ds_tensor]
+            assert flat.dtype == torch.float32
+            assert flat.numel() == sum(s.numel() for s in shards)
+            assert int(optimizer.optimizer.state[flat]["step"]) == engine.global_steps == 2
+            # the masters are the flat's pieces, the shards their bf16 copies
+            assert torch.equal(torch.cat(shards).float(), flat.bfloat16().float())
+        engine.destroy()
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_fp32_shards_have_no_flat_copy(self, world_size: int) -> None:
+        engine, optimizer, params = _engine(3)
+        assert [[id(p) for p in g] for g in optimizer.fp16_groups] == [
+            [id(params[0]), id(params[1])],
+            [id(params[2])],
+        ]
+        with pytest.raises(AttributeError, match="fp32 shards are their own masters"):
+            optimizer.fp32_partitioned_groups_flat  # noqa: B018
         engine.destroy()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._layouts import ALIGNMENT, FlatLayout
+from zengine._layouts import ALIGNMENT, FlatLayout, ShardedLayout
 from zengine._partitions import Partitions
 
 if TYPE_CHECKING:
@@ -42,12 +42,33 @@ class DeepSpeedViews:
     @property
     def fp16_groups(self) -> list[list[nn.Parameter]]:
         """Each optimizer group's trainable parameters, in order (DeepSpeed's stage-3 name, its
-        ``bit16_groups`` at stages 1-2). DeepSpeed's stage 3 cuts a group into sub-groups of
-        ``sub_group_size`` elements and lists those; with the default size one sub-group is
-        the group, as here."""
-        return [list(params) for params in self.layout.params]
+        ``bit16_groups`` at stages 1-2); at stage 3, as DeepSpeed's, each group cut into
+        sub-groups where the step's tiles (``sub_group_size`` elements) cut it: with the default
+        size a sub-group is the group."""
+        layout = self.layout
+        if isinstance(layout, ShardedLayout):
+            return [list(params) for params in layout.sub_groups]
+        return [list(params) for params in layout.params]
 
     bit16_groups = fp16_groups
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
+        """Stage 3: per sub-group (`fp16_groups`), the flat fp32 masters of its shards, the
+        tensor the torch optimizer steps (its state is keyed by it), as DeepSpeed's."""
+        layout = self.layout
+        if not isinstance(layout, ShardedLayout) or layout.aliased:
+            why = (
+                "its fp32 shards are their own masters, stepped one per parameter, so there is "
+                "no flat fp32 copy (train in bf16 or fp16, or offload the optimizer, for one)"
+                if isinstance(layout, ShardedLayout)
+                else f"this optimizer runs ZeRO stage {self.stage}"
+            )
+            raise AttributeError(
+                f"{type(self).__name__}.fp32_partitioned_groups_flat: DeepSpeed's ZeRO stage 3 "
+                f"optimizer attribute; {why}"
+            )
+        return list(layout.sub_group_flats)
 
     @property
     def nccl_start_alignment_factor(self) -> int:

@@ -312,8 +312,14 @@ class ShardedLayout:
             [(p, rank * p.ds_tensor.numel(), p.ds_tensor.numel()) for p in g] for g in self.params
         ]
         sizes = [sum(n for _, _, n in g) for g in pieces]
+        # DeepSpeed's sub-groups: each group's parameters cut where the tiles are, in order
+        self.sub_groups: list[list[ZeroParameter]] = [
+            run for g in self.params for run in _runs(g, tile_of)
+        ]
+        #: per sub-group, the flat fp32 masters the optimizer steps (none when aliased)
+        self.sub_group_flats: list[torch.Tensor] = []
         self.partitions = Partitions(
-            pieces, master_device, sizes, grad_dtype, shards=self._masters_of(pieces, tile_of)
+            pieces, master_device, sizes, grad_dtype, shards=self._masters_of(pieces)
         )
         self._grads = {id(p): self.partitions.grad_of(p) for p in every}
         self._shards = [p.ds_tensor for p in every]
@@ -352,27 +358,25 @@ class ShardedLayout:
         return tiles
 
     def _masters_of(
-        self, pieces: list[list[tuple[ZeroParameter, int, int]]], tile_of: dict[int, int]
+        self, pieces: list[list[tuple[ZeroParameter, int, int]]]
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Each parameter's master and the tensor the optimizer steps for it: its fp32 shard
-        itself (aliased), or a view of one flat fp32 buffer per tile and group, as DeepSpeed's
-        sub-groups (large buffers of their own: NVMe offload empties and refills them whole)."""
+        itself (aliased), or a view of one flat fp32 buffer per sub-group (a group's parameters
+        in one tile), as DeepSpeed's (large buffers of their own: NVMe offload empties and
+        refills them whole)."""
         if self.aliased:
             return {id(p): (p.ds_tensor, p.ds_tensor) for g in pieces for p, _, _ in g}
         found = {}
         device = self._master_device
-        for group_pieces in pieces:
-            runs: dict[int, list[ZeroParameter]] = {}
-            for p, _, _ in group_pieces:
-                runs.setdefault(tile_of.get(id(p), 0), []).append(p)
-            for run in runs.values():
-                numel = sum(p.ds_tensor.numel() for p in run)
-                flat = torch.empty(numel, dtype=torch.float32, device=device)
-                offset = 0
-                for p in run:
-                    n = p.ds_tensor.numel()
-                    found[id(p)] = (flat[offset : offset + n], flat)
-                    offset += n
+        for run in self.sub_groups:
+            numel = sum(p.ds_tensor.numel() for p in run)
+            flat = torch.empty(numel, dtype=torch.float32, device=device)
+            self.sub_group_flats.append(flat)
+            offset = 0
+            for p in run:
+                n = p.ds_tensor.numel()
+                found[id(p)] = (flat[offset : offset + n], flat)
+                offset += n
         return found
 
     def sink(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
@@ -464,3 +468,11 @@ class ShardedLayout:
             return
         for d, s in zip(dst, src, strict=True):
             d.copy_(s)  # blocking: NVMe offload may empty the masters right after
+
+
+def _runs(params: Sequence[ZeroParameter], tile_of: dict[int, int]) -> list[list[ZeroParameter]]:
+    """`params` (one optimizer group's) split by the tile each is stepped in."""
+    runs: dict[int, list[ZeroParameter]] = {}
+    for p in params:
+        runs.setdefault(tile_of.get(id(p), 0), []).append(p)
+    return list(runs.values())
