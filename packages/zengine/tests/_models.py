@@ -54,3 +54,20 @@ def plain_losses(
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+# uneven: partitions and shards straddle parameters, padding on the last rank
+SCALE_SIZES = (7, 5, 3)
+
+
+class Scale(nn.Module):
+    """loss = sum(p * x) over its parameters (of `SCALE_SIZES`, zeros): each parameter's
+    gradient is its slice of x, whatever the parameters are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(torch.zeros(n)) for n in SCALE_SIZES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pieces = x.split(list(SCALE_SIZES))
+        return sum((p * piece).sum() for p, piece in zip(self.params, pieces, strict=True))

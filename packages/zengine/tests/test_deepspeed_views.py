@@ -13,19 +13,8 @@ import zcomm
 import zengine
 from zcomm.testing import DistributedTest
 
-SIZES = (7, 5, 3)
-
-
-class _Scale(nn.Module):
-    """loss = sum(p * x) over its parameters: each parameter's gradient is its slice of x."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.params = nn.ParameterList(nn.Parameter(torch.zeros(n)) for n in SIZES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pieces = x.split(list(SIZES))
-        return sum((p * piece).sum() for p, piece in zip(self.params, pieces, strict=True))
+from ._models import SCALE_SIZES as SIZES
+from ._models import Scale as _Scale
 
 
 def _engine(stage: int, **extra: Any) -> tuple[zengine.Engine, Any, list[nn.Parameter]]:

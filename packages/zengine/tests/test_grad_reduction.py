@@ -16,6 +16,8 @@ import zcomm
 import zengine
 from zcomm.testing import DistributedTest
 
+from ._models import SCALE_SIZES as SIZES
+from ._models import Scale as _Scale
 from ._models import TinyGPT, global_batches
 
 STAGES = pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -26,19 +28,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "predivide": {"gradient_predivide_factor": 2.0},
     "prescale": {"prescale_gradients": True},
 }
-SIZES = (7, 5, 3)  # uneven: partitions and shards straddle parameters, padding on the last rank
-
-
-class _Scale(nn.Module):
-    """loss = sum(p * x) over its parameters: each parameter's gradient is its slice of x."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.params = nn.ParameterList(nn.Parameter(torch.zeros(n)) for n in SIZES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pieces = x.split(list(SIZES))
-        return sum((p * piece).sum() for p, piece in zip(self.params, pieces, strict=True))
 
 
 def _config(stage: int, dtype: str, accumulation: int = 1, **extra: Any) -> dict[str, Any]:
