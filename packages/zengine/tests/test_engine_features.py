@@ -287,6 +287,30 @@ class TestZeroGradBetweenMicroBatches(DistributedTest):
             assert torch.equal(got, want)
 
 
+class TestZeroGradAtStage3(DistributedTest):
+    @SIZES
+    def test_the_step_still_sees_what_the_backward_reduced(self, world_size: int) -> None:
+        """As DeepSpeed's stage 3 ([Note: zero_grad at stage 3]): ``zero_grad`` between a
+        backward and the step leaves the reduced gradients to that step; a backward after it
+        starts from zero."""
+
+        def zeroed_before_the_step(engine: zengine.Engine, tokens: torch.Tensor) -> None:
+            engine.backward(engine(tokens))
+            engine.zero_grad()
+            engine.step()
+
+        def zeroed_between_backwards(engine: zengine.Engine, tokens: torch.Tensor) -> None:
+            engine.backward(engine(tokens) * 3.0)  # forgotten at the next backward
+            engine.zero_grad()
+            engine.backward(engine(tokens))
+            engine.step()
+
+        expected = _trained(3, world_size, _step)
+        for run in (zeroed_before_the_step, zeroed_between_backwards):
+            for got, want in zip(_trained(3, world_size, run), expected, strict=True):
+                assert torch.equal(got, want)
+
+
 class TestAllreduceGradients(DistributedTest):
     """DeepSpeed's ``enable_backward_allreduce = False`` and ``allreduce_gradients()``."""
 

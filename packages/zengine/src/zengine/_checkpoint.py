@@ -231,7 +231,7 @@ def load_checkpoint(
             engine.partitioned.release_all()  # the next forward gathers the loaded shards
     else:
         engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
-        engine.optimizer.zero_grad()
+        engine.optimizer.clear_grads()
     if load_optimizer_states:
         apply_optimizer_objects(engine, loaded)
     src = sync.rank % int(manifest["world_size"])

@@ -341,7 +341,7 @@ class Engine(nn.Module):
         with self.progress.timed("backward"):
             if boundary:
                 zero.prefetch_states()  # NVMe offload: read while backward runs
-            zero.layout.before_backward(reduce)
+            zero.before_backward(reduce)
             share = loss.float()
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 share = share / self.gradient_accumulation_steps()

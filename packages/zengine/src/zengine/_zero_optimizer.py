@@ -21,6 +21,7 @@ from torch import nn
 import zcomm
 from zengine._deepspeed_views import DeepSpeedViews
 from zengine._host_memory import zero_releasing_pages
+from zengine._layouts import ShardedLayout
 from zengine._offload_optimizer import NvmeStateSwapper
 from zengine._partitions import Partitions
 
@@ -103,6 +104,8 @@ class ZeroOptimizer(DeepSpeedViews):
         self.global_grad_norm: float | None = None  # of the last step, before clipping
         self.skipped_steps = 0
         self.overflow = False  # whether the last step was skipped for an inf or NaN
+        # stage 3: `zero_grad` was called since the last backward ([Note: zero_grad at stage 3])
+        self._zero_at_backward = False
         self.swapper: NvmeStateSwapper | None = None  # offload_optimizer to NVMe, else None
 
     def _tiles_of(self, tiles: list[list[nn.Parameter]] | None) -> list[_Tile]:
@@ -169,11 +172,34 @@ class ZeroOptimizer(DeepSpeedViews):
         return [tensor for tensor, _ in self._stepped]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient partitions (they are buffers, never set to None; a large one on
-        CPU hands its pages back until the next backward writes them, as freed gradients
+        """Forget the gradients: at stages 0-2 now (`clear_grads`), at stage 3 as the next
+        backward begins, as DeepSpeed's stage 3 does.
+
+        [Note: zero_grad at stage 3]
+        DeepSpeed's stage-3 ``zero_grad`` leaves the reduced gradient partitions as they are
+        and makes the next backward overwrite them, so a step called after it still steps
+        with them (its ``TestZero3ParamPartitioningBase::test_zero_grad`` relies on it); a
+        backward after it starts from zero all the same. The engine's own step clears the
+        gradients at once."""
+        if isinstance(self.layout, ShardedLayout):
+            self._zero_at_backward = True
+        else:
+            self.clear_grads()
+
+    def clear_grads(self) -> None:
+        """Zero the gradient partitions now (they are buffers, never set to None; a large one
+        on CPU hands its pages back until the next backward writes them, as freed gradients
         would be), and drop what backward passes before the boundary summed."""
+        self._zero_at_backward = False
         zero_releasing_pages(self.partitions.grad_partitions_flat_buffer)
         self.layout.discard_accumulated()
+
+    def before_backward(self, boundary: bool) -> None:
+        """A backward begins (`boundary`: one that reduces): gradients a `zero_grad` at stage
+        3 let stand are forgotten first."""
+        if self._zero_at_backward:
+            self.clear_grads()
+        self.layout.before_backward(boundary)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -186,7 +212,7 @@ class ZeroOptimizer(DeepSpeedViews):
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
         if overflow and self.loss_scaler is None and self.nonfinite == "raise":
-            self.zero_grad()
+            self.clear_grads()
             raise FloatingPointError(
                 "zengine: a gradient holds an inf or NaN (the global gradient norm is not "
                 "finite, on some rank); the step was not taken and the gradients are zeroed "
@@ -200,7 +226,7 @@ class ZeroOptimizer(DeepSpeedViews):
                 scale,
                 self.cur_scale,
             )
-            self.zero_grad()
+            self.clear_grads()
             return False
         norm = math.sqrt(norm_sq) / scale
         self.global_grad_norm = norm
@@ -210,7 +236,7 @@ class ZeroOptimizer(DeepSpeedViews):
         if factor != 1.0:
             grads.mul_(factor)
         self._step_tiles(low=grads.dtype != torch.float32)
-        self.zero_grad()
+        self.clear_grads()
         return True
 
     def _step_tiles(self, *, low: bool) -> None:

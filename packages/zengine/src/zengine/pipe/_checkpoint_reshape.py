@@ -119,7 +119,7 @@ def load_stage(
         mine = extras if s == src.primary else []
         loaded.update(_read(engine, sync, src.directories[s], src.take[s], mine, optimizer))
     engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
-    engine.optimizer.zero_grad()
+    engine.optimizer.clear_grads()
     if optimizer:
         apply_optimizer_objects(engine, loaded)
     apply_engine_state(engine, loaded[ENGINE], scheduler=scheduler)

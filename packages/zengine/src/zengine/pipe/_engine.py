@@ -210,7 +210,7 @@ class PipelineEngine(Engine):
         data_iter = self._data_iterator
         self.module.train()
         self._idle_trim.busy()
-        self.optimizer.layout.before_backward(boundary=True)  # the batch ends with a step
+        self.optimizer.before_backward(boundary=True)  # the batch ends with a step
         run = BatchRun(self, self._schedule(self.train_schedule_cls), data_iter, train=True)
         run.execute()
         loss = self._batch_loss(run.losses)
