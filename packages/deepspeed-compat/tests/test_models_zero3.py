@@ -488,6 +488,10 @@ class TestGenerate(DistributedTest):
             engine = engine_for(load(path), ENGINE)
             engine.eval()
             module = engine.module
+            if kind == "mixtral":  # DeepSpeed's default zero_optimization.leaf_module classes
+                moe = [m for m in module.modules() if type(m).__name__ == "MixtralSparseMoeBlock"]
+                assert moe
+                assert all(deepspeed.utils.z3_leaf_module(m) for m in moe)
             check(_generate(module, prompt, "engine", synced_gpus=True, **kwargs), "engine.module")
             with deepspeed.zero.unwrap_model_for_generation(engine) as unwrapped:
                 out = _generate(unwrapped.module, prompt, "unwrapped", synced_gpus=True, **kwargs)

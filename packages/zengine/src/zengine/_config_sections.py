@@ -367,6 +367,39 @@ def _stage3(default: Any, *names: str) -> Any:
     return Field(default=default, validation_alias=AliasChoices(f"stage3_{names[0]}", *names))
 
 
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+"""DeepSpeed's default ZeRO-3 leaf modules: Hugging Face's sparse MoE blocks, whose experts a
+token may or may not reach on each rank (hooked per expert, ranks would gather different ones)."""
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
+def _one_or_many(value: object) -> object:
+    # DeepSpeed takes one string for a list of one
+    return [value] if isinstance(value, str) else value
+
+
+def _deduplicated(values: list[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+_Strings = Annotated[list[str], BeforeValidator(_one_or_many), AfterValidator(_deduplicated)]
+
+
+class LeafModuleConfig(_Section):
+    """``zero_optimization.leaf_module``: modules made ZeRO-3 leaves (gathered whole, hooked
+    once, as ``set_z3_leaf_modules``) when the engine partitions the model: by class (a name or
+    a fully qualified name), by name in ``named_modules()``, or by a suffix of that name."""
+
+    classes: _Strings = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: _Strings = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    name_suffixes: _Strings = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
+
+
 class ZeroConfig(_Section):
     """``zero_optimization``: the ZeRO stage and its buckets, thresholds and offload.
 
@@ -415,6 +448,9 @@ class ZeroConfig(_Section):
     )
     offload_optimizer: Annotated[OffloadOptimizerConfig, BeforeValidator(_none_is_default)] = Field(
         default_factory=OffloadOptimizerConfig
+    )
+    leaf_module: Annotated[LeafModuleConfig, BeforeValidator(_none_is_default)] = Field(
+        default_factory=LeafModuleConfig
     )
 
     @model_validator(mode="before")

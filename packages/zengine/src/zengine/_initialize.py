@@ -25,6 +25,7 @@ from zengine._config import EngineConfig, load_config
 from zengine._engine import Engine
 from zengine._errors import MissingArgumentError
 from zengine._layouts import FlatLayout, ShardedLayout
+from zengine._leaf_config import mark_configured_leaves
 from zengine._loss_scaler import DynamicLossScaler, StaticLossScaler
 from zengine._lr_schedules import build_scheduler
 from zengine._offload_optimizer import NvmeStateSwapper
@@ -266,6 +267,7 @@ def _partition(
     """Stage 3: partition what is not yet (cast to fp16 or bf16 when one is enabled; else
     left in its own dtype, as at stages 0-2), then hook the model; `reduce_scale`: the
     factors of DeepSpeed's reduction options (None: the mean)."""
+    mark_configured_leaves(model, cfg.zero_optimization.leaf_module)  # before the units form
     cast = cfg.dtype if cfg.dtype != torch.float32 else None
     for p in zpartition_params(model):
         if zpartition.is_zero_param(p):
