@@ -22,12 +22,29 @@ from zengine.zero import __all__ as _zero_names
 __all__ = [
     *_zero_names,
     "MiCS_Init",
+    "MultipleAllGatherHandles",
     "_orig_torch_arange",
     "get_accelerator",
+    "partitioned_param_data_shape",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
 
 _orig_torch_arange = torch.arange
+
+partitioned_param_data_shape = [0]
+"""The shape of a released parameter's ``data`` (zpartition empties it, as DeepSpeed does)."""
+
+
+class MultipleAllGatherHandles:
+    """Several gather handles waited on as one (DeepSpeed's): ``wait(**kwargs)`` passes its
+    keywords (``handle_dependency``) on to each handle's ``wait``."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self, **kwargs: Any) -> None:
+        for handle in self.handles:
+            handle.wait(**kwargs)
 
 
 def zero_wrapper_for_fp_tensor_constructor(
