@@ -467,7 +467,10 @@ class ShardedLayout:
             torch._foreach_copy_(dst, src)
             return
         for d, s in zip(dst, src, strict=True):
-            d.copy_(s)  # blocking: NVMe offload may empty the masters right after
+            # torch's own copy_: a shard's (`ShardTensor.copy_`) would log the engine's write
+            # back as a user's write, and the next step re-read the masters from rounded shards.
+            # Blocking: NVMe offload may empty the masters right after.
+            torch.Tensor.copy_(d, s)
 
 
 def _runs(params: Sequence[ZeroParameter], tile_of: dict[int, int]) -> list[list[ZeroParameter]]:
