@@ -5,8 +5,13 @@ One file per handle: a header, then the handle's layout (see `_layout.plan`) as 
 
     [0, 24)          b"ZOFFLOAD", version (u32), manifest length (u64), manifest CRC-32 (u32)
     [24, ...)        the manifest, JSON: token, data offset and size, chunk size, the CRC-32
-                     of every chunk, and every storage (names, offset, size)
+                     of every chunk, and every storage (names, offset, size, zero runs)
     [H, H + D)       the data, H and D multiples of 4096
+
+Version 2 added each storage's zero runs (storage-relative ``[start, stop)`` byte ranges that
+the data holds as zeros and a reload hands back instead of writing, see [Note: extents] in
+``_extents``); version 1 files (no zero runs) are still read. A chunk of zeros only may be a
+hole in the file.
 
 Data goes out in chunks (``chunk_bytes``, default 8 MiB) from page-aligned host buffers
 (pinned when a GPU is involved), ``threads`` of them in flight at once, through O_DIRECT
@@ -24,7 +29,6 @@ every chunk's CRC before a byte is trusted, and names the file in the error othe
 
 from __future__ import annotations
 
-import bisect
 import errno
 import json
 import logging
@@ -37,12 +41,16 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from zoffload._errors import OffloadError, OffloadFileError
+from zoffload._extents import Chunk, find_zero_runs, plan_chunks
 from zoffload._layout import Layout, align_up
+from zoffload._pages import release
 from zoffload._pool import HostPool, HostRegion
 from zoffload._storage import Slot, byte_view
 
@@ -51,10 +59,12 @@ __all__ = ["FileManifest", "NvmeIO", "StorageEntry", "check_file"]
 _log = logging.getLogger("zoffload")
 
 MAGIC = b"ZOFFLOAD"
-VERSION = 1
+VERSION = 2
+_READABLE = (1, 2)  # versions this zoffload reads (see [Note: file format])
 _PREFIX = struct.Struct("<8sIQI")
 _BLOCK = 4096  # file offsets and I/O sizes are multiples of this (O_DIRECT's alignment)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere buffered I/O only
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16  # buffers per call
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class StorageEntry:
     names: tuple[str, ...]
     offset: int  # from the start of the data
     nbytes: int
+    zeros: tuple[tuple[int, int], ...] = ()  # zero runs, storage-relative (version 2)
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,10 @@ class FileManifest:
                 "data_nbytes": self.data_nbytes,
                 "chunk_bytes": self.chunk_bytes,
                 "chunk_crcs": [f"{c:08x}" for c in self.chunk_crcs],  # fixed width
-                "storages": [[list(s.names), s.offset, s.nbytes] for s in self.storages],
+                "storages": [
+                    [list(s.names), s.offset, s.nbytes, [list(z) for z in s.zeros]]
+                    for s in self.storages
+                ],
             },
             separators=(",", ":"),
         ).encode()
@@ -110,7 +124,7 @@ def read_manifest(path: Path) -> FileManifest:
         if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
             raise OffloadFileError(path, "no zoffload header (not an offload file, or torn)")
         _, version, length, crc = _PREFIX.unpack(prefix)
-        if version != VERSION:
+        if version not in _READABLE:
             raise OffloadFileError(path, f"format version {version}, this zoffload reads {VERSION}")
         body = os.pread(fd, length, _PREFIX.size)
         if len(body) != length or zlib.crc32(body) != crc:
@@ -125,12 +139,18 @@ def read_manifest(path: Path) -> FileManifest:
         data_nbytes=meta["data_nbytes"],
         chunk_bytes=meta["chunk_bytes"],
         chunk_crcs=tuple(int(c, 16) for c in meta["chunk_crcs"]),
-        storages=tuple(StorageEntry(tuple(n), o, b) for n, o, b in meta["storages"]),
+        storages=tuple(_entry(row) for row in meta["storages"]),
     )
     if size != manifest.file_nbytes:
         what = "truncated" if size < manifest.file_nbytes else "longer than its header says"
         raise OffloadFileError(path, f"{what}: {size} bytes, expected {manifest.file_nbytes}")
     return manifest
+
+
+def _entry(row: list[Any]) -> StorageEntry:
+    names, offset, nbytes, *rest = row  # version 1 rows have no zero runs
+    zeros = tuple((int(a), int(b)) for a, b in rest[0]) if rest else ()
+    return StorageEntry(tuple(names), int(offset), int(nbytes), zeros)
 
 
 def check_file(path: str | Path) -> FileManifest:
@@ -157,40 +177,48 @@ def _chunks(nbytes: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk, nbytes)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (a write may be short)."""
+def _pwrite_all(fd: int, data: list[memoryview], offset: int) -> None:
+    """Write ``data`` (one buffer after the other) at ``offset`` (a write may be short)."""
     while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
+        n = os.pwritev(fd, data[:_IOV_MAX], offset)
+        data, offset = _advance(data, n), offset + n
 
 
-def _pread_all(fd: int, into: memoryview, offset: int) -> int:
-    """Fill ``into`` from ``offset``; returns the bytes read (short only at end of file)."""
+def _pread_all(fd: int, into: list[memoryview], offset: int) -> int:
+    """Fill ``into`` (one buffer after the other) from ``offset``; returns the bytes read
+    (short only at end of file)."""
     done = 0
-    while done < len(into):
-        n = os.preadv(fd, [into[done:]], offset + done)
+    while into:
+        n = os.preadv(fd, into[:_IOV_MAX], offset + done)
         if n == 0:
             break
-        done += n
+        into, done = _advance(into, n), done + n
     return done
 
 
-class _Pieces:
-    """Which byte ranges of which storages a chunk of the layout holds."""
+def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """``buffers`` less their first ``n`` bytes."""
+    i = 0
+    while i < len(buffers) and n >= len(buffers[i]):
+        n -= len(buffers[i])
+        i += 1
+    rest = buffers[i:]
+    if rest and n:
+        rest[0] = rest[0][n:]
+    return rest
 
-    def __init__(self, slots: list[Slot]) -> None:
-        self._slots = sorted((s for s in slots if s.nbytes), key=lambda s: s.offset)
-        self._starts = [s.offset for s in self._slots]
 
-    def within(self, start: int, stop: int) -> Iterator[tuple[Slot, int, int]]:
-        """(slot, first, last) with layout bytes [first, last) of the slot inside the chunk."""
-        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        for slot in self._slots[i:]:
-            if slot.offset >= stop:
-                break
-            first, last = max(start, slot.offset), min(stop, slot.offset + slot.nbytes)
-            if first < last:
-                yield slot, first, last
+def _crc(buffers: list[memoryview]) -> int:
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    return crc
+
+
+@lru_cache(maxsize=8)
+def _zeros_crc(nbytes: int) -> int:
+    """The CRC-32 of a chunk of zeros (chunks that are holes: neither written nor read)."""
+    return zlib.crc32(bytes(nbytes))
 
 
 class NvmeIO:
@@ -242,7 +270,9 @@ class NvmeIO:
     ) -> tuple[FileManifest, bool]:
         """Write ``slots`` (laid out by ``layout``) to ``path``; returns its manifest and
         whether O_DIRECT was used. The file exists under ``path`` only once it is complete."""
-        chunks = list(_chunks(layout.nbytes, self.chunk_bytes))
+        for slot in slots:
+            slot.zeros = find_zero_runs(slot)
+        chunks = plan_chunks(slots, layout.nbytes, self.chunk_bytes)
         draft = FileManifest(
             path=path,
             token=uuid.uuid4().hex,
@@ -250,14 +280,24 @@ class NvmeIO:
             data_nbytes=layout.nbytes,
             chunk_bytes=self.chunk_bytes,
             chunk_crcs=(0,) * len(chunks),
-            storages=tuple(StorageEntry(tuple(s.names), s.offset, s.nbytes) for s in slots),
+            storages=tuple(
+                StorageEntry(tuple(s.names), s.offset, s.nbytes, tuple(s.zeros)) for s in slots
+            ),
         )
         # Checksums are fixed width, so only data_offset's digits can change the length.
         header_nbytes = align_up(len(draft.encode()) + 32, _BLOCK)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{draft.token[:8]}")
         fd, direct = self._open_for_write(tmp, header_nbytes)
         try:
-            crcs = self._run(tmp, fd, header_nbytes, chunks, slots, pinned, fences, write=True)
+            used = [c for c in chunks if c.used]
+            crcs = [_zeros_crc(c.stop - c.start) for c in chunks]  # holes: all zeros
+            for chunk, crc in zip(
+                used,
+                self._run(tmp, fd, header_nbytes, used, pinned, fences, write=True),
+                strict=True,
+            ):
+                crcs[chunk.index] = crc
+            os.ftruncate(fd, header_nbytes + layout.nbytes)  # the holes at the end count too
             manifest = FileManifest(
                 path, draft.token, header_nbytes, layout.nbytes, self.chunk_bytes,
                 tuple(crcs), draft.storages,
@@ -310,7 +350,7 @@ class NvmeIO:
         try:
             view = region.memoryview(0, len(data))
             view[:] = data
-            _pwrite_all(fd, view, offset)
+            _pwrite_all(fd, [view], offset)
         finally:
             region.release()
 
@@ -330,17 +370,25 @@ class NvmeIO:
             raise OffloadFileError(expected.path, "belongs to another offload (token mismatch)")
         if found != expected:
             raise OffloadFileError(expected.path, "its header differs from the one written")
+        for slot, entry in zip(slots, expected.storages, strict=True):
+            slot.zeros = list(entry.zeros)  # the file says which runs it holds as zeros
+            view = byte_view(slot.storage, slot.nbytes)
+            for start, stop in slot.zeros:
+                release(view[start:stop])
+        chunks = plan_chunks(slots, expected.data_nbytes, expected.chunk_bytes)
+        used = [c for c in chunks if c.used]  # the others hold only zeros nobody reads
         fd = self._open_for_read(expected.path)
         try:
-            chunks = list(_chunks(expected.data_nbytes, expected.chunk_bytes))
             crcs = self._run(
-                expected.path, fd, expected.data_offset, chunks, slots, pinned, fences, write=False
+                expected.path, fd, expected.data_offset, used, pinned, fences, write=False
             )
         finally:
             os.close(fd)
-        for i, (crc, want) in enumerate(zip(crcs, expected.chunk_crcs, strict=True)):
-            if crc != want:
-                raise OffloadFileError(expected.path, _bad_chunk(i, *chunks[i]))
+        for chunk, crc in zip(used, crcs, strict=True):
+            if crc != expected.chunk_crcs[chunk.index]:
+                raise OffloadFileError(
+                    expected.path, _bad_chunk(chunk.index, chunk.start, chunk.stop)
+                )
 
     def _open_for_read(self, path: Path) -> int:
         if self.direct is not False and _O_DIRECT:
@@ -358,13 +406,13 @@ class NvmeIO:
         path: Path,
         fd: int,
         base: int,
-        chunks: list[tuple[int, int]],
-        slots: list[Slot],
+        chunks: list[Chunk],
         pinned: bool,
         fences: dict[torch.device, torch.cuda.Event],
         *,
         write: bool,
     ) -> list[int]:
+        """Write or read ``chunks`` (the file's data starts at ``base``); their CRC-32s."""
         if not chunks:
             return []
         depth = min(self.threads, len(chunks))
@@ -372,20 +420,19 @@ class NvmeIO:
         free: queue.SimpleQueue[int] = queue.SimpleQueue()  # offsets of idle chunk buffers
         for k in range(depth):
             free.put(k * self.chunk_bytes)
-        pieces = _Pieces(slots)
         task = self._write_chunk if write else self._read_chunk
 
-        def one(start: int, stop: int) -> int:
+        def one(chunk: Chunk) -> int:
             at = free.get()
             try:
-                return task(path, fd, base, start, stop, region, at, pieces, fences)
+                return task(path, fd, base, chunk, region, at, fences)
             finally:
                 free.put(at)
 
         futures = []
         try:
-            for start, stop in chunks:
-                futures.append(self._pool().submit(one, start, stop))
+            for chunk in chunks:
+                futures.append(self._pool().submit(one, chunk))
             return [f.result() for f in futures]  # the first failure propagates
         finally:
             for f in futures:
@@ -400,28 +447,23 @@ class NvmeIO:
         path: Path,
         fd: int,
         base: int,
-        start: int,
-        stop: int,
+        chunk: Chunk,
         region: HostRegion,
         at: int,
-        pieces: _Pieces,
         fences: dict[torch.device, torch.cuda.Event],
     ) -> int:
-        buf = region.tensor[at : at + (stop - start)]
-        cursor = start
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for slot, first, last in pieces.within(start, stop):
-            if first > cursor:
-                buf[cursor - start : first - start].zero_()  # padding: deterministic bytes
-            src = byte_view(slot.storage, slot.nbytes)[first - slot.offset : last - slot.offset]
-            copies.append((buf[first - start : last - start], src))
-            cursor = last
-        if cursor < stop:
-            buf[cursor - start :].zero_()
+        buf = region.tensor[at : at + (chunk.stop - chunk.start)]
+        copies = []
+        for e in chunk.extents:
+            staged = buf[e.start - chunk.start : e.stop - chunk.start]
+            if e.slot is None:
+                staged.zero_()  # padding and zero runs: deterministic bytes
+            else:
+                copies.append((staged, _storage_bytes(e.slot, e.start, e.stop)))
         self._copy_all(copies, fences)
-        view = region.memoryview(at, at + (stop - start))
-        crc = zlib.crc32(view)
-        _pwrite_all(fd, view, base + start)
+        buffers = [region.memoryview(at, at + (chunk.stop - chunk.start))]
+        crc = _crc(buffers)
+        _pwrite_all(fd, buffers, base + chunk.start)
         return crc
 
     def _read_chunk(
@@ -429,23 +471,22 @@ class NvmeIO:
         path: Path,
         fd: int,
         base: int,
-        start: int,
-        stop: int,
+        chunk: Chunk,
         region: HostRegion,
         at: int,
-        pieces: _Pieces,
         fences: dict[torch.device, torch.cuda.Event],
     ) -> int:
-        view = region.memoryview(at, at + (stop - start))
-        got = _pread_all(fd, view, base + start)
-        if got != stop - start:
+        buffers = [region.memoryview(at, at + (chunk.stop - chunk.start))]
+        got = _pread_all(fd, buffers, base + chunk.start)
+        if got != chunk.stop - chunk.start:
             raise OffloadFileError(path, "truncated while it was being read")
-        crc = zlib.crc32(view)
-        buf = region.tensor[at : at + (stop - start)]
+        crc = _crc(buffers)
+        buf = region.tensor[at : at + (chunk.stop - chunk.start)]
         copies = []
-        for slot, first, last in pieces.within(start, stop):
-            dst = byte_view(slot.storage, slot.nbytes)[first - slot.offset : last - slot.offset]
-            copies.append((dst, buf[first - start : last - start]))
+        for e in chunk.extents:
+            if e.slot is not None:
+                staged = buf[e.start - chunk.start : e.stop - chunk.start]
+                copies.append((_storage_bytes(e.slot, e.start, e.stop), staged))
         self._copy_all(copies, fences)
         return crc
 
@@ -480,6 +521,11 @@ class NvmeIO:
         if fence is not None:
             stream.wait_event(fence)  # the caller's writes (or allocations) come first
         return stream
+
+
+def _storage_bytes(slot: Slot, start: int, stop: int) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of the file's data that ``slot``'s storage holds, as its view."""
+    return byte_view(slot.storage, slot.nbytes)[start - slot.offset : stop - slot.offset]
 
 
 def _fsync_dir(directory: Path) -> None:

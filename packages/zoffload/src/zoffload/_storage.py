@@ -42,6 +42,9 @@ class Slot:
     tensors: list[torch.Tensor] = field(default_factory=list)
     offset: int = 0  # where the bytes lie in the handle's host region or file data
     fingerprint: int | None = None  # set when the offload was asked to verify
+    # Host storages, at an NVMe offload: byte ranges of whole zero blocks, storage-relative,
+    # that the reload hands back instead of writing ([Note: zero pages] in _pages).
+    zeros: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def label(self) -> str:

@@ -1,0 +1,138 @@
+"""Which bytes of an offload file's chunks go where: through a staging buffer, or nowhere.
+
+[Note: extents]
+An offload file's data is read and written in chunks of ``chunk_bytes``, each with its CRC-32,
+and every chunk is cut, in file order, into extents of two kinds:
+
+- staged: bytes of a storage, copied between it and the chunk's page-aligned staging buffer
+  (pinned where a GPU is involved), at the same place in the buffer as in the chunk;
+- unused: the padding between storages and the zero runs of host storages (see
+  [Note: zero pages] in ``_pages``). They are written as zeros and never copied into a
+  storage: a reload hands a zero run's pages back instead (`_pages.release`).
+
+A chunk holding only unused bytes is all zeros: it is neither written (the file has a hole
+there, which reads as zeros, so `check_file` still finds its CRC) nor read back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from zoffload._pages import ZERO_BLOCK, zero_runs
+from zoffload._storage import Slot, byte_view
+
+__all__ = ["Chunk", "Extent", "find_zero_runs", "plan_chunks"]
+
+_PEEK_BLOCKS = 64  # up to this many blocks, peek at them from Python (no torch call per block)
+_WINDOW_BLOCKS = 128  # blocks that one zero_runs call checks whole (8 MiB)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes ``[start, stop)`` of the file's data, all of one kind."""
+
+    start: int
+    stop: int
+    slot: Slot | None  # the storage the bytes belong to; None: padding or a zero run
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request and one CRC-32: bytes ``[start, stop)`` of the data, cut into extents."""
+
+    index: int
+    start: int
+    stop: int
+    extents: tuple[Extent, ...]
+
+    @property
+    def used(self) -> bool:
+        """Whether any byte of the chunk goes to or comes from a storage."""
+        return any(e.slot is not None for e in self.extents)
+
+
+def plan_chunks(slots: list[Slot], nbytes: int, chunk_bytes: int) -> list[Chunk]:
+    """The chunks of ``nbytes`` of data laid out as ``slots`` say, with their extents."""
+    extents = list(_all_extents(slots, nbytes))
+    chunks = []
+    i = 0
+    for index, start in enumerate(range(0, nbytes, chunk_bytes)):
+        stop = min(start + chunk_bytes, nbytes)
+        mine = []
+        while i < len(extents) and extents[i].start < stop:
+            e = extents[i]
+            mine.append(Extent(max(e.start, start), min(e.stop, stop), e.slot))
+            if e.stop > stop:
+                break  # it goes on in the next chunk
+            i += 1
+        chunks.append(Chunk(index, start, stop, tuple(mine)))
+    return chunks
+
+
+def _all_extents(slots: list[Slot], nbytes: int) -> Iterator[Extent]:
+    cursor = 0
+    for slot in sorted((s for s in slots if s.nbytes), key=lambda s: s.offset):
+        if slot.offset > cursor:
+            yield Extent(cursor, slot.offset, None)
+        yield from _slot_extents(slot)
+        cursor = slot.offset + slot.nbytes
+    if cursor < nbytes:
+        yield Extent(cursor, nbytes, None)
+
+
+def _slot_extents(slot: Slot) -> Iterator[Extent]:
+    base, cursor = slot.offset, 0
+    for start, stop in slot.zeros:
+        if start > cursor:
+            yield Extent(base + cursor, base + start, slot)
+        yield Extent(base + start, base + stop, None)
+        cursor = stop
+    if cursor < slot.nbytes:
+        yield Extent(base + cursor, base + slot.nbytes, slot)
+
+
+def find_zero_runs(slot: Slot) -> list[tuple[int, int]]:
+    """`_pages.zero_runs` of a host storage (storage-relative), cheaply: blocks whose first
+    word is not zero are passed over, so only blocks that may be zeros are read whole.
+    Reading pages that were handed back maps the shared zero page: nothing becomes resident."""
+    if slot.device.type != "cpu" or slot.nbytes < ZERO_BLOCK:
+        return []
+    data = byte_view(slot.storage, slot.nbytes)
+    whole = slot.nbytes // ZERO_BLOCK
+    address = data.data_ptr()
+    if address % 8:  # not torch's allocation (it aligns to 64): no word reads, every block
+        maybe = list(range(whole))
+    elif whole <= _PEEK_BLOCKS:
+        peek = ctypes.c_uint64.from_address
+        maybe = [k for k in range(whole) if peek(address + k * ZERO_BLOCK).value == 0]
+    else:
+        heads = data[: whole * ZERO_BLOCK].view(whole, ZERO_BLOCK)[:, :8]
+        maybe = heads.view(torch.int64).flatten().eq(0).nonzero().flatten().tolist()
+    runs: list[tuple[int, int]] = []
+    for first, last in _spans(maybe):
+        # In windows: zero_runs' temporaries are an eighth of what it looks at, and a window
+        # of zeros handed back costs no memory to read, but its temporaries do.
+        for lo in range(first, last, _WINDOW_BLOCKS):
+            at = lo * ZERO_BLOCK
+            window = data[at : min(last, lo + _WINDOW_BLOCKS) * ZERO_BLOCK]
+            for a, b in zero_runs(window):
+                if runs and runs[-1][1] == at + a:  # goes on from the previous window
+                    runs[-1] = (runs[-1][0], at + b)
+                else:
+                    runs.append((at + a, at + b))
+    return runs
+
+
+def _spans(ks: list[int]) -> Iterator[tuple[int, int]]:
+    """Runs of consecutive integers in sorted ``ks``, as ``[first, last)``."""
+    i = 0
+    while i < len(ks):
+        j = i
+        while j + 1 < len(ks) and ks[j + 1] == ks[j] + 1:
+            j += 1
+        yield ks[i], ks[j] + 1
+        i = j + 1
