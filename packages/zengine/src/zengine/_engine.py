@@ -24,7 +24,7 @@ from zengine._aio import nvme_offloader
 from zengine._autocast import autocast_dtype, forward_autocast
 from zengine._errors import UsageError
 from zengine._host_memory import IdleTrimmer, trim_heap
-from zengine._offload_states import StateOffloader
+from zengine._offload_states import StateOffloader, memory_held
 from zengine._progress import Progress
 from zengine._unused_params import UnusedParameterCheck
 from zengine._zero_optimizer import ZeroOptimizer
@@ -310,6 +310,7 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._idle_trim.busy()
+        self._offloaded.require(self, "forward()", [OffloadStateTypeEnum.lp_params])
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = half_floats((args, kwargs))
         with self.progress.timed("forward"), forward_autocast(self._autocast, self.device):
@@ -335,6 +336,7 @@ class Engine(nn.Module):
                 f"{type(loss).__name__}{shape}"
             )
         zero = self._trainer("backward()")
+        self._offloaded.require(self, "backward()", OffloadStateTypeEnum)
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         # stages 2 and 3 reduce in every backward whatever enable_backward_allreduce says
         reduce = boundary and (self.enable_backward_allreduce or self.zero_optimization_stage() > 1)
@@ -403,6 +405,7 @@ class Engine(nn.Module):
                 "leaving it"
             )
         zero = self._trainer("step()")
+        self._offloaded.require(self, "step()", OffloadStateTypeEnum)
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self._unused is not None:
             self._unused.check()  # before anything counts or steps: a refused step loses nothing
@@ -483,8 +486,16 @@ class Engine(nn.Module):
         trim_heap()  # the freed memory goes back to the system now
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back what `offload_states` moved, into the same tensors."""
+        """Bring back what `offload_states` moved, into the same tensors; with `non_blocking`
+        the copies may run on (the engine's next call waits for them)."""
         self._offloaded.reload(non_blocking=non_blocking)
+
+    def memory_held(self) -> dict[str, dict[str, int]]:
+        """Bytes the engine holds now, by training state (DeepSpeed's five `offload_states`
+        types, ``gathered_params``, ``total``) and by where they are (``cpu``, ``cuda:0``,
+        ``nvme``); what `offload_states` moved counts zero on its device. See
+        [Note: offload_states' footprint]."""
+        return memory_held(self)
 
     # -- checkpoints (_checkpoint.py, _save_16bit.py) ----------------------------------------
     # Imported when first used: torch.distributed.checkpoint takes about a second to import.
@@ -508,6 +519,7 @@ class Engine(nn.Module):
         the frozen parameters with `exclude_frozen_parameters` (load those checkpoints with
         ``load_module_strict=False``). Collective."""
         self._trainer("save_checkpoint()")
+        self._offloaded.require(self, "save_checkpoint()", OffloadStateTypeEnum)
         return self._checkpoints().save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
         )
@@ -527,6 +539,7 @@ class Engine(nn.Module):
         ``load_module_strict=False`` skips parameters and buffers only one side has, and
         ``load_module_only=True`` loads the weights alone; so does an engine without an
         optimizer (forward passes only: a trained model served at ZeRO-3). Collective."""
+        self._offloaded.require(self, "load_checkpoint()", OffloadStateTypeEnum)
         return self._checkpoints().load_checkpoint(
             self,
             load_dir,

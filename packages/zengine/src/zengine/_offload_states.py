@@ -1,10 +1,40 @@
-"""``engine.offload_states`` / ``reload_states`` and `get_state_devices`, on zoffload.
+"""``engine.offload_states`` / ``reload_states``, `get_state_devices` and `memory_held`, on
+zoffload.
 
 Each of DeepSpeed's five state types names the tensors the engine holds for it. Offloading moves
 their storages (zoffload empties the same storage objects the optimizer and the model point at,
 so no reference goes stale) to host memory or to NVMe files; reloading fills them again,
 bit-exact. Two types can share storage (fp32 parameters are their own masters: ``hp_params``
 and ``lp_params`` are then the same bytes), which moves once.
+
+[Note: offload_states' footprint]
+What an RLHF job needs (the trainer hands its memory to an inference engine between steps, and
+gets the same training state back, cycle after cycle): after ``offload_states()`` of every
+state, the engine holds nothing on its device, and after ``reload_states()`` exactly what it
+held before. Which ``include`` name covers which buffer:
+
+- ``optim_states``: the optimizer's state tensors (Adam's moments); scalar step counts stay.
+- ``hp_params``: the fp32 master partitions (the parameters themselves where they are fp32).
+- ``lp_params``: the compute-dtype parameters: at stage 3 the shards and the persistent
+  parameters' gathered copies, at stages 0-2 the flat buffers the module's parameters view.
+- ``lp_grads``: the gradient partitions (``grad_partitions_flat_buffer``) and at stages 0-2 the
+  full and low-precision gradient flats.
+- ``contiguous_grad_buffer``: the gradient buckets kept between passes (on a GPU, or where the
+  config names ``contiguous_gradients``); freed, not copied, as DeepSpeed does, and given
+  back (uninitialised) at reload.
+- Whatever state is named, ZeRO-3's gathered parameters and prefetches are released first;
+  stages 0-2 gather nothing, reduce into the gradient flats and keep no communication buffers
+  between passes; an optimizer step keeps no scratch space. So the five names cover every
+  byte (`memory_held` shows it; the tests count every storage left).
+
+Two rules keep the footprint exact. Offloading to ``cpu`` a state already on the host does
+nothing to it (no copy, no pool; DeepSpeed's ``.to("cpu")`` of a host tensor is a no-op): on
+a CPU engine only ``nvme`` frees memory. And a reload gives back what it used on the way: the
+host copies and NVMe staging buffers go back to the system (zoffload's pool is trimmed), and
+storages whose pages were not resident (zero pages, zoffload's [Note: zero pages]) come back
+not resident. While a state is offloaded, the engine refuses the calls that would read it
+(`StateOffloader.require`) instead of crashing on an emptied storage; a forward needs only the
+parameters, so generation with the optimizer state away works, as DeepSpeed-Chat's does.
 """
 
 from __future__ import annotations
@@ -16,9 +46,14 @@ from typing import Any
 import torch
 
 import zoffload
+from zengine._errors import UsageError
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum
 
-__all__ = ["StateOffloader", "get_state_devices"]
+__all__ = ["StateOffloader", "get_state_devices", "memory_held"]
+
+_BUCKET = OffloadStateTypeEnum.contiguous_grad_buffer
+GATHERED = "gathered_params"  # memory_held's name for ZeRO-3 parameters gathered now
+TOTAL = "total"  # memory_held's name for every storage once
 
 
 def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.Tensor]:
@@ -46,7 +81,7 @@ def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.T
             found[f"grads.full.{i}"] = tensor
         for i, tensor in enumerate(getattr(optimizer.layout, "low_grad_flats", [])):
             found[f"grads.low.{i}"] = tensor  # one backward's, before they are folded
-    elif state is OffloadStateTypeEnum.contiguous_grad_buffer and engine.partitioned is not None:
+    elif state is _BUCKET and engine.partitioned is not None:
         # kept between passes on accelerators only (persistent_grad_buckets); on CPU the
         # buckets live while they are reduced, and none is held
         for i, tensor in enumerate(engine.partitioned.grad_buffers):
@@ -80,6 +115,52 @@ def get_state_devices(engine: Any, state: OffloadStateTypeEnum | str) -> set[tor
     return devices
 
 
+def memory_held(engine: Any) -> dict[str, dict[str, int]]:
+    """Bytes the engine holds, by state and by where they are: a device (``cpu``,
+    ``cuda:0``) for resident storages, ``cpu`` or ``nvme`` for the copies of offloaded ones.
+    The five `OffloadStateTypeEnum` states, `GATHERED` (ZeRO-3 parameters gathered whole now,
+    between a forward and its backward or prefetched), and `TOTAL`, where a storage that two
+    states share (fp32 parameters are their own masters) counts once. An offloaded storage
+    counts zero on its device."""
+    held: dict[str, dict[str, int]] = {}
+    total: dict[int, tuple[str, int]] = {}
+
+    def count(into: dict[str, int], tensors: Iterable[torch.Tensor]) -> None:
+        for key, (where, nbytes) in _resident(tensors).items():
+            into[where] = into.get(where, 0) + nbytes
+            total[key] = (where, nbytes)
+
+    for state in OffloadStateTypeEnum:
+        per_place = held[state.value] = {}
+        count(per_place, state_tensors(engine, state).values())
+        handle = engine._offloaded.handles.get(state)
+        if handle is not None and handle.device is not OffloadDeviceEnum.none:
+            place = handle.device.value
+            per_place[place] = per_place.get(place, 0) + handle.nbytes
+            total[id(handle)] = (place, handle.nbytes)
+    held[GATHERED] = {}
+    if engine.partitioned is not None:
+        gathered = [
+            u.full for u in engine.partitioned.units if not u.persistent and u.full is not u.shard
+        ]
+        count(held[GATHERED], gathered)
+    everything: dict[str, int] = {}
+    for where, nbytes in total.values():
+        everything[where] = everything.get(where, 0) + nbytes
+    held[TOTAL] = everything
+    return held
+
+
+def _resident(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[str, int]]:
+    """The distinct non-empty storages under `tensors`: identity -> (device, bytes)."""
+    found = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            found[storage._cdata] = (str(tensor.device), storage.nbytes())
+    return found
+
+
 class StateOffloader:
     """The offloaded states of one engine, by type."""
 
@@ -87,6 +168,7 @@ class StateOffloader:
         self.handles: dict[OffloadStateTypeEnum, zoffload.OffloadHandle] = {}
         # NVMe goes through the config's `aio` settings when it has them
         self.offloader = offloader or zoffload.default_offloader()
+        self._reloading: list[zoffload.OffloadHandle] = []  # non-blocking reloads under way
 
     def offload(
         self,
@@ -105,33 +187,69 @@ class StateOffloader:
                 "zero_optimization.offload_optimizer.nvme_path in the config"
             )
         chosen = [OffloadStateTypeEnum(s) for s in (include or list(OffloadStateTypeEnum))]
+        self.settle()  # a reload still under way finishes first
         if engine.partitioned is not None:
             engine.partitioned.coordinator.release_all()  # nothing gathered stays behind
         for state in chosen:
             if state in self.handles:
                 continue  # already offloaded
+            # the gradient bucket is scratch space: freed, not copied (as DeepSpeed does)
+            target = OffloadDeviceEnum.none if state is _BUCKET else device
             tensors = {
                 name: t
                 for name, t in state_tensors(engine, state).items()
                 if zoffload.handle_of(t) is None  # shared with a state offloaded already
+                # to the host what lives there already: nothing to move (DeepSpeed's .to())
+                and not (target is OffloadDeviceEnum.cpu and t.device.type == "cpu")
             }
             if not tensors:
                 continue
             self.handles[state] = self.offloader.offload(
                 tensors,
-                # the gradient bucket is scratch space: freed, not copied (as DeepSpeed does)
-                OffloadDeviceEnum.none
-                if state is OffloadStateTypeEnum.contiguous_grad_buffer
-                else device,
+                target,
                 pin_memory=pin_memory,
                 non_blocking=non_blocking,
                 nvme_path=nvme_path,
             )
-
-        if device is OffloadDeviceEnum.nvme and not non_blocking:
-            zoffload.default_pool().trim()  # the staging buffers of the writes: not kept
+        if not non_blocking:
+            self._give_back()  # the staging buffers of NVMe writes are not kept
 
     def reload(self, *, non_blocking: bool) -> None:
         handles, self.handles = self.handles, {}
         for handle in handles.values():
             handle.reload(non_blocking=non_blocking)
+        self._reloading.extend(handles.values())
+        if not non_blocking:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for a non-blocking reload, and give the host memory it used back: after a
+        reload the process holds what it held before the offload, no staging buffers or
+        pooled copies ([Note: offload_states' footprint])."""
+        if not self._reloading:
+            return
+        reloading, self._reloading = self._reloading, []
+        for handle in reloading:
+            handle.wait()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        self.offloader.pool.trim()
+
+    def require(self, engine: Any, call: str, states: Iterable[OffloadStateTypeEnum]) -> None:
+        """Refuse `call` while any of `states` is offloaded (its tensors are empty: reading
+        them would crash the process on CPU and read freed memory on a GPU); wait for a
+        non-blocking reload first."""
+        self.settle()
+        if not self.handles:
+            return
+        away = sorted(
+            state.value
+            for state in states
+            if any(zoffload.handle_of(t) is not None for t in state_tensors(engine, state).values())
+        )
+        if away:
+            raise UsageError(
+                f"engine.{call}: the training states {', '.join(away)} are offloaded "
+                "(engine.offload_states()); call engine.reload_states() first"
+            )

@@ -29,6 +29,7 @@ from zengine.pipe._module import PipelineModule
 from zengine.pipe._optimizer import PipeZeroOptimizer
 from zengine.pipe._run import BatchRun
 from zengine.utils import RepeatingLoader
+from zoffload import OffloadStateTypeEnum
 
 __all__ = ["SCHEDULES", "ForwardOnly", "PipelineEngine"]
 
@@ -210,6 +211,7 @@ class PipelineEngine(Engine):
         data_iter = self._data_iterator
         self.module.train()
         self._idle_trim.busy()
+        self._offloaded.require(self, "train_batch()", OffloadStateTypeEnum)
         self.optimizer.before_backward(boundary=True)  # the batch ends with a step
         run = BatchRun(self, self._schedule(self.train_schedule_cls), data_iter, train=True)
         run.execute()
@@ -233,6 +235,7 @@ class PipelineEngine(Engine):
         Without `compute_loss`, the outputs alone."""
         was_training = self.module.training
         self._idle_trim.busy()
+        self._offloaded.require(self, "eval_batch()", [OffloadStateTypeEnum.lp_params])
         self.module.eval()
         self.eval_computes_loss = compute_loss
         if self.chunks == 1:
