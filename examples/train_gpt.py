@@ -107,23 +107,6 @@ def batches(text: Path | None, seed: int, rank: int, device: torch.device) -> It
         yield seqs[:, :-1].to(device), seqs[:, 1:].to(device)
 
 
-def model_state_bytes(engine: Any) -> int:
-    """Bytes of the tensors this rank's engine holds for the model: parameter shards (and
-    persistent parameters), fp32 masters, gradient partitions, optimizer state."""
-    held: list[Any] = []
-    for p in engine.module.parameters():
-        held += [p.ds_tensor, p.data] if hasattr(p, "ds_tensor") else [p.data, p.grad]
-    held += [p for group in engine.optimizer.param_groups for p in group["params"]]
-    held += [t for state in engine.optimizer.state.values() for t in state.values()]
-    held.append(getattr(engine.optimizer, "grad_partitions_flat_buffer", None))
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in held
-        if isinstance(t, torch.Tensor) and t.numel() > 0
-    }
-    return sum(storages.values())
-
-
 def peak_rss_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -176,7 +159,9 @@ def main() -> None:
     zcomm.all_reduce(curve)  # the mean over the ranks
     curve = curve.cpu() / world
     memory = torch.zeros(world, 2, dtype=torch.float64, device=engine.device)
-    memory[rank] = torch.tensor([model_state_bytes(engine), peak_rss_bytes()])
+    # the engine's own account: shards, masters, gradient partitions, optimizer state
+    held = sum(engine.memory_held()["total"].values())
+    memory[rank] = torch.tensor([held, peak_rss_bytes()])
     zcomm.all_reduce(memory)  # every rank's figures, on every rank
     if rank == 0:
         tail = min(10, len(curve))
