@@ -457,6 +457,11 @@ class Engine(nn.Module):
         Call it between passes; a backward still to come gathers what it needs again."""
         if self.partitioned is not None:
             self.partitioned.release_all()
+        self._give_memory_back()
+
+    def _give_memory_back(self) -> None:
+        """Freed memory back to the system now: torch's cached GPU blocks to the driver (for
+        another program, an inference engine, to take), or glibc's free heap."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         else:
@@ -483,7 +488,7 @@ class Engine(nn.Module):
             non_blocking=non_blocking,
             nvme_path=nvme_path,
         )
-        trim_heap()  # the freed memory goes back to the system now
+        self._give_memory_back()  # as DeepSpeed's offload_states empties torch's cache
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states` moved, into the same tensors; with `non_blocking`
