@@ -10,14 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import zoffload
 from zoffload import _nvme
-from zoffload._extents import find_zero_runs, plan_chunks
-from zoffload._pages import ZERO_BLOCK, release, zero_runs
-from zoffload._storage import Slot, byte_view
+from zoffload._pages import ZERO_BLOCK, release
+from zoffload._storage import byte_view
 
 MB = 1 << 20
 
@@ -37,11 +34,6 @@ def _huge_page_slack() -> int:
     except OSError:
         always = False
     return 4 * MB if always else 0
-
-
-def _slot(t: torch.Tensor) -> Slot:
-    s = t.untyped_storage()
-    return Slot(s, s.nbytes(), t.device, ["t"], [t])
 
 
 def test_zeros_handed_back_stay_non_resident_through_a_file(offloader):
@@ -107,62 +99,6 @@ def test_a_version_1_file_still_loads(offloader):
     assert zoffload.check_file(path) == manifest
     handle.reload()
     assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    nblocks=st.integers(0, 150),
-    tail=st.integers(1, 100),
-    marks=st.lists(st.integers(0, 150 * ZERO_BLOCK), max_size=12),
-    shift=st.sampled_from([0, 3, 8]),
-)
-def test_find_zero_runs_is_zero_runs(nblocks, tail, marks, shift):
-    raw = bytearray(nblocks * ZERO_BLOCK + tail + shift)
-    for m in marks:
-        if shift + m < len(raw):
-            raw[shift + m] = 1 + m % 255
-    # an unaligned start (shift 3) takes the plain pass; frombuffer's storage starts there
-    slot = _slot(torch.frombuffer(raw, dtype=torch.uint8, offset=shift))
-    assert find_zero_runs(slot) == zero_runs(byte_view(slot.storage))
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    sizes=st.lists(st.integers(0, 5 * ZERO_BLOCK), min_size=1, max_size=6),
-    gaps=st.lists(st.integers(0, 3), min_size=6, max_size=6),
-    zero_every=st.integers(1, 4),
-    chunk_blocks=st.integers(1, 8),
-)
-def test_chunk_extents_cover_the_data_in_order(sizes, gaps, zero_every, chunk_blocks):
-    slots, end = [], 0
-    for i, size in enumerate(sizes):
-        slot = _slot(torch.empty(size, dtype=torch.uint8))
-        slot.offset = end + gaps[i] * 4096
-        blocks = size // ZERO_BLOCK
-        slot.zeros = [(k * ZERO_BLOCK, (k + 1) * ZERO_BLOCK) for k in range(0, blocks, zero_every)]
-        slot.zeros = [z for z in slot.zeros if not (zero_every == 1 and z[0])]  # keep it merged
-        slots.append(slot)
-        end = slot.offset + size
-    nbytes = -(-end // 4096) * 4096
-    chunk_bytes = chunk_blocks * 4096
-    chunks = plan_chunks(slots, nbytes, chunk_bytes)
-    assert [c.start for c in chunks] == list(range(0, nbytes, chunk_bytes))
-    owner = {}
-    for chunk in chunks:
-        cursor = chunk.start
-        for e in chunk.extents:
-            assert e.start == cursor < e.stop <= chunk.stop
-            cursor = e.stop
-            if e.slot is not None:
-                owner[e.start] = e.slot
-                rel = (e.start - e.slot.offset, e.stop - e.slot.offset)
-                assert 0 <= rel[0] < rel[1] <= e.slot.nbytes
-                assert all(rel[1] <= a or b <= rel[0] for a, b in e.slot.zeros)
-        assert cursor == chunk.stop
-        assert chunk.used == any(e.slot is not None for e in chunk.extents)
-    used = sum(e.stop - e.start for c in chunks for e in c.extents if e.slot is not None)
-    zero = sum(b - a for s in slots for a, b in s.zeros)
-    assert used == sum(sizes) - zero
 
 
 @pytest.mark.parametrize("chunk_bytes", [64 << 10, 1 << 20])

@@ -1,17 +1,29 @@
-"""Which bytes of an offload file's chunks go where: through a staging buffer, or nowhere.
+"""Which bytes of an offload file's chunks go where: in place, through a staging buffer, or
+nowhere.
 
 [Note: extents]
 An offload file's data is read and written in chunks of ``chunk_bytes``, each with its CRC-32,
-and every chunk is cut, in file order, into extents of two kinds:
+and every chunk is cut, in file order, into extents of three kinds:
 
+- direct: a host storage's own memory is the I/O buffer, no copy. O_DIRECT wants each
+  buffer's address aligned to the device's memory alignment and its file offset and size to
+  the offset alignment (an `Alignment`, from ``statx``): a storage qualifies when its address
+  and its layout offset are equal modulo the memory alignment (always, where that is a few
+  bytes, as on NVMe drives; by [Note: direct placement] in ``_layout`` where it is 512 or a
+  page), and then its interior from the first to the last aligned byte moves in place, in
+  pieces of at least ``_MIN_DIRECT`` bytes. Buffered I/O has no such rules;
 - staged: bytes of a storage, copied between it and the chunk's page-aligned staging buffer
-  (pinned where a GPU is involved), at the same place in the buffer as in the chunk;
+  (pinned where a GPU is involved), at the same place in the buffer as in the chunk: GPU
+  storages, small ones, the unaligned head and tail of large host ones, and host storages
+  whose address at reload does not line up;
 - unused: the padding between storages and the zero runs of host storages (see
   [Note: zero pages] in ``_pages``). They are written as zeros and never copied into a
   storage: a reload hands a zero run's pages back instead (`_pages.release`).
 
-A chunk holding only unused bytes is all zeros: it is neither written (the file has a hole
-there, which reads as zeros, so `check_file` still finds its CRC) nor read back.
+One request moves a whole chunk (``preadv``/``pwritev`` over its buffers in file order) and
+its CRC-32 is computed over the same buffers in the same order, wherever they lie. A chunk
+holding only unused bytes is all zeros: it is neither written (the file has a hole there,
+which reads as zeros, so `check_file` still finds its CRC) nor read back.
 """
 
 from __future__ import annotations
@@ -23,12 +35,26 @@ from dataclasses import dataclass
 import torch
 
 from zoffload._pages import ZERO_BLOCK, zero_runs
-from zoffload._storage import Slot, byte_view
+from zoffload._storage import Slot, byte_view, host_memoryview
 
-__all__ = ["Chunk", "Extent", "find_zero_runs", "plan_chunks"]
+__all__ = ["BLOCK", "Alignment", "Chunk", "Extent", "find_zero_runs", "plan_chunks"]
+
+BLOCK = 4096  # chunks, staging buffers and the data start on these (O_DIRECT's largest need)
+# Smaller aligned pieces are staged: it bounds a chunk's buffers to chunk_bytes / 64 KiB or
+# so, and the copy it saves is cheaper than the extra buffer of the request.
+_MIN_DIRECT = 64 << 10
 
 _PEEK_BLOCKS = 64  # up to this many blocks, peek at them from Python (no torch call per block)
 _WINDOW_BLOCKS = 128  # blocks that one zero_runs call checks whole (8 MiB)
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """What a file's I/O needs of a buffer moved in place: its address a multiple of
+    ``memory``, its file offset and size multiples of ``offset`` (1, 1: buffered I/O)."""
+
+    memory: int = BLOCK
+    offset: int = BLOCK
 
 
 @dataclass(frozen=True)
@@ -38,6 +64,7 @@ class Extent:
     start: int
     stop: int
     slot: Slot | None  # the storage the bytes belong to; None: padding or a zero run
+    memory: memoryview | None = None  # direct: the storage's own bytes, the I/O buffer
 
 
 @dataclass(frozen=True)
@@ -55,9 +82,12 @@ class Chunk:
         return any(e.slot is not None for e in self.extents)
 
 
-def plan_chunks(slots: list[Slot], nbytes: int, chunk_bytes: int) -> list[Chunk]:
-    """The chunks of ``nbytes`` of data laid out as ``slots`` say, with their extents."""
-    extents = list(_all_extents(slots, nbytes))
+def plan_chunks(
+    slots: list[Slot], nbytes: int, chunk_bytes: int, align: Alignment | None = None
+) -> list[Chunk]:
+    """The chunks of ``nbytes`` of data laid out as ``slots`` say, with their extents; with
+    ``align`` (the file's needs), host storages that can move in place do."""
+    extents = list(_all_extents(slots, nbytes, align))
     chunks = []
     i = 0
     for index, start in enumerate(range(0, nbytes, chunk_bytes)):
@@ -65,7 +95,7 @@ def plan_chunks(slots: list[Slot], nbytes: int, chunk_bytes: int) -> list[Chunk]
         mine = []
         while i < len(extents) and extents[i].start < stop:
             e = extents[i]
-            mine.append(Extent(max(e.start, start), min(e.stop, stop), e.slot))
+            mine.append(_cut(e, max(e.start, start), min(e.stop, stop)))
             if e.stop > stop:
                 break  # it goes on in the next chunk
             i += 1
@@ -73,26 +103,71 @@ def plan_chunks(slots: list[Slot], nbytes: int, chunk_bytes: int) -> list[Chunk]
     return chunks
 
 
-def _all_extents(slots: list[Slot], nbytes: int) -> Iterator[Extent]:
+def _cut(e: Extent, start: int, stop: int) -> Extent:
+    memory = None if e.memory is None else e.memory[start - e.start : stop - e.start]
+    return Extent(start, stop, e.slot, memory)
+
+
+def _all_extents(slots: list[Slot], nbytes: int, align: Alignment | None) -> Iterator[Extent]:
     cursor = 0
     for slot in sorted((s for s in slots if s.nbytes), key=lambda s: s.offset):
         if slot.offset > cursor:
             yield Extent(cursor, slot.offset, None)
-        yield from _slot_extents(slot)
+        yield from _slot_extents(slot, align)
         cursor = slot.offset + slot.nbytes
     if cursor < nbytes:
         yield Extent(cursor, nbytes, None)
 
 
-def _slot_extents(slot: Slot) -> Iterator[Extent]:
-    base, cursor = slot.offset, 0
+def _slot_extents(slot: Slot, align: Alignment | None) -> Iterator[Extent]:
+    memory = _direct_memory(slot, align)
+    cursor = 0
     for start, stop in slot.zeros:
         if start > cursor:
-            yield Extent(base + cursor, base + start, slot)
-        yield Extent(base + start, base + stop, None)
+            yield from _used(slot, cursor, start, memory)
+        yield Extent(slot.offset + start, slot.offset + stop, None)
         cursor = stop
     if cursor < slot.nbytes:
-        yield Extent(base + cursor, base + slot.nbytes, slot)
+        yield from _used(slot, cursor, slot.nbytes, memory)
+
+
+@dataclass(frozen=True)
+class _InPlace:
+    """A storage that moves in place: its bytes, and the step its direct pieces keep to."""
+
+    bytes: memoryview
+    step: int
+
+
+def _direct_memory(slot: Slot, align: Alignment | None) -> _InPlace | None:
+    """How the storage's interior moves in place, or None where it cannot."""
+    if align is None or slot.device.type != "cpu" or slot.nbytes < _MIN_DIRECT:
+        return None
+    if BLOCK % max(align.memory, align.offset):
+        return None  # stricter than the staging buffers' pages (or odd): nothing in place
+    if (slot.storage.data_ptr() - slot.offset) % align.memory:
+        return None  # allocated elsewhere in its page than at offload: staged
+    # A piece starting and ending on multiples of the larger alignment in the file starts on
+    # one of the memory alignment too, since address and offset agree modulo the latter.
+    step = max(align.memory, align.offset)
+    return _InPlace(host_memoryview(byte_view(slot.storage, slot.nbytes)), step)
+
+
+def _used(slot: Slot, start: int, stop: int, place: _InPlace | None) -> Iterator[Extent]:
+    """Extents for the storage's bytes ``[start, stop)``: the aligned interior in place."""
+    base = slot.offset
+    if place is not None:
+        step = place.step
+        lo = -(-(base + start) // step) * step - base
+        hi = (base + stop) // step * step - base
+        if hi - lo >= _MIN_DIRECT:
+            if lo > start:
+                yield Extent(base + start, base + lo, slot)
+            yield Extent(base + lo, base + hi, slot, place.bytes[lo:hi])
+            if stop > hi:
+                yield Extent(base + hi, base + stop, slot)
+            return
+    yield Extent(base + start, base + stop, slot)
 
 
 def find_zero_runs(slot: Slot) -> list[tuple[int, int]]:

@@ -7,7 +7,19 @@ on one device are laid end to end (64-byte aligned) in segments of up to ``pack_
 moves each segment with one gather on the device and one copy over the link (on the host,
 packing only saves the page of padding each storage would otherwise take). Bytes are
 moved raw, so dtypes do not matter and need no grouping. Large storages each get a segment
-of their own starting on an ``alignment`` boundary (4096: pages, O_DIRECT blocks).
+of their own starting on an ``alignment`` boundary (4096: pages, O_DIRECT blocks), or just
+after one for host storages (see [Note: direct placement]).
+
+[Note: direct placement]
+O_DIRECT moves bytes between a file and memory without a copy only where the memory address
+and the file offset are both block-aligned, and torch's host allocations are aligned to 64
+bytes, not to pages (a large one typically starts 64 bytes into a page). So a large host
+storage is placed ``address % alignment`` bytes after a boundary: its page-aligned interior
+then lies on the file's blocks, and the NVMe I/O reads and writes it in place, with only its
+unaligned head and tail going through a staging buffer (see [Note: extents] in ``_extents``).
+The address is the one at offload; the storage's memory at reload is a new allocation, whose
+offset in its page is the same in practice (the same allocator serving the same size). Where
+it is not, that storage goes through staging: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -71,7 +83,14 @@ def plan(
         for slot in mine:
             if slot.nbytes < small_bytes:
                 continue
-            slot.offset = align_up(end, alignment)
+            slot.offset = align_up(end, alignment) + _in_block(slot, alignment)
             segments.append(Segment(device, slot.offset, slot.nbytes, packed=False, slots=[slot]))
             end = slot.offset + slot.nbytes
     return Layout(align_up(end, alignment), segments)
+
+
+def _in_block(slot: Slot, alignment: int) -> int:
+    """Where a large storage starts after a boundary: see [Note: direct placement]."""
+    if slot.device.type != "cpu":
+        return 0  # a GPU's bytes always go through a (pinned) staging buffer
+    return slot.storage.data_ptr() % alignment
