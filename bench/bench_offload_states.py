@@ -34,7 +34,7 @@ _PAGE = 4096
 
 
 def _rss_mib() -> float:
-    from zengine._host_memory import trim_heap
+    from zengine._offload._host_memory import trim_heap
 
     trim_heap()
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -101,7 +101,7 @@ class _SquareMean(nn.Module):
 
 def _worker(model_name: str, stage: int, folder: str) -> None:
     import zengine
-    from zengine._offload_states import state_tensors
+    from zengine._offload._states import state_tensors
     from zoffload import OffloadStateTypeEnum
 
     torch.set_num_threads(1)

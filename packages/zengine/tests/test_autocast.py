@@ -14,8 +14,8 @@ from torch import nn
 import zcomm
 import zengine
 from zcomm.testing import DistributedTest
-from zengine._config import ConfigError
-from zengine._grad_buckets import _cut
+from zengine._config._engine_config import ConfigError
+from zengine._optim._grad_buckets import _cut
 
 from ._models import TinyGPT, global_batches
 from .test_engine import LR, _config, _train

@@ -13,7 +13,7 @@ import pydantic
 import pytest
 import torch
 
-from zengine._config import ConfigError, EngineConfig, load_config
+from zengine._config._engine_config import ConfigError, EngineConfig, load_config
 from zpartition import ZeroParamConfig
 
 # The config of DeepSpeed's test_zero_context_return.py (seeds/000_339ec31897b12b43.txt).
@@ -486,7 +486,7 @@ def test_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
 
 
 # --- DeepSpeed keys of features zengine does not have ([Note: DeepSpeed keys without a
-# feature] in zengine/_config_deepspeed.py)
+# feature] in zengine/_config/_deepspeed_keys.py)
 
 # A DeepSpeed config as they are written, with every such feature off or at its default.
 FEATURES_OFF: dict[str, Any] = {

@@ -1,5 +1,5 @@
 """Gradients reduced in buckets during backward at stages 0-2, and at stage 2 each rank
-keeping only its partition of them ([Note: gradient buckets] in zengine/_grad_buckets.py)."""
+keeping only its partition of them ([Note: gradient buckets] in zengine/_optim/_grad_buckets.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch
 import zengine
 import zoffload
 from zcomm.testing import DistributedTest
-from zengine._host_memory import IdleTrimmer, zero_releasing_pages
+from zengine._offload._host_memory import IdleTrimmer, zero_releasing_pages
 
 from ._models import TinyGPT, global_batches
 
@@ -79,7 +79,7 @@ def test_a_closed_trimmer_stops_its_thread() -> None:
 _RSS_SCRIPT = textwrap.dedent(
     """
     import sys, time, torch
-    from zengine._host_memory import IdleTrimmer
+    from zengine._offload._host_memory import IdleTrimmer
     def rss():
         for line in open("/proc/self/status"):
             if line.startswith("VmRSS"):
@@ -132,7 +132,7 @@ def test_a_users_malloc_settings_are_kept() -> None:
 _ORDER_SCRIPT = textwrap.dedent(
     """
     import sys, torch, zpartition
-    from zengine._host_memory import IdleTrimmer
+    from zengine._offload._host_memory import IdleTrimmer
     def rss():
         for line in open("/proc/self/status"):
             if line.startswith("VmRSS"):

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from zengine._lr_schedules import (
+from zengine._optim._lr_schedules import (
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,

@@ -22,8 +22,8 @@ import zcomm
 import zengine
 import zoffload
 from zcomm.testing import DistributedTest
-from zengine._host_memory import trim_heap
-from zengine._offload_states import state_tensors
+from zengine._offload._host_memory import trim_heap
+from zengine._offload._states import state_tensors
 from zoffload import OffloadStateTypeEnum
 
 STATES = list(OffloadStateTypeEnum)

@@ -9,15 +9,15 @@ DeepSpeed's activation checkpointing; ``zengine.ops`` its optimizer classes.
 from zcomm import init_distributed
 from zengine import checkpointing, ops, pipe, utils, zero
 from zengine.__about__ import __version__
-from zengine._args import add_config_arguments
-from zengine._autocast import get_comm_dtype, has_comm_dtype
-from zengine._checkpoint_errors import (
+from zengine._checkpoint._errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointTagError,
     CorruptCheckpointError,
 )
-from zengine._config import ConfigError, EngineConfig, load_config
+from zengine._checkpoint._safetensors_load import load_safetensors
+from zengine._config._args import add_config_arguments
+from zengine._config._engine_config import ConfigError, EngineConfig, load_config
 from zengine._engine import Engine
 from zengine._errors import UsageError
 from zengine._estimate import (
@@ -31,11 +31,17 @@ from zengine._estimate import (
     estimate_zero3_model_states_mem_needs_all_live,
 )
 from zengine._initialize import initialize
-from zengine._load_safetensors import load_safetensors
-from zengine._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler
-from zengine._lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
-from zengine._offload_states import get_state_devices
-from zengine._zero_optimizer import ZeroOptimizer
+from zengine._offload._states import get_state_devices
+from zengine._optim._autocast import get_comm_dtype, has_comm_dtype
+from zengine._optim._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler
+from zengine._optim._lr_schedules import (
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+)
+from zengine._optim._zero_optimizer import ZeroOptimizer
 from zengine.utils import (
     safe_get_full_fp32_param,
     safe_get_full_grad,

@@ -7,8 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from zengine._checkpoint_errors import CheckpointError
-from zengine._consolidate import DEFAULT_BUDGET, consolidate
+from zengine._checkpoint._consolidate import DEFAULT_BUDGET, consolidate
+from zengine._checkpoint._errors import CheckpointError
 
 __all__ = ["main"]
 

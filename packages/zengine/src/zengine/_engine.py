@@ -2,7 +2,7 @@
 
 It owns the model (``engine.module``), the ZeRO optimizer (``engine.optimizer``), the LR
 scheduler and the loss scaler, counts micro-steps and steps, and prints progress. Everything
-stage-specific lives in the layout (_layouts.py); everything about the config in _config.py.
+stage-specific lives in the layout (_optim/_layouts.py); everything about the config in _config/.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 import zcomm
 import zpartition
-from zengine._aio import nvme_offloader
-from zengine._autocast import autocast_dtype, forward_autocast
 from zengine._errors import UsageError
-from zengine._host_memory import IdleTrimmer, trim_heap
-from zengine._offload_states import StateOffloader, memory_held
+from zengine._offload._aio import nvme_offloader
+from zengine._offload._host_memory import IdleTrimmer, trim_heap
+from zengine._offload._states import StateOffloader, memory_held
+from zengine._optim._autocast import autocast_dtype, forward_autocast
+from zengine._optim._zero_optimizer import ZeroOptimizer
 from zengine._progress import Progress
 from zengine._unused_params import UnusedParameterCheck
-from zengine._zero_optimizer import ZeroOptimizer
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum, default_pool
 
 __all__ = ["Engine", "UsageError", "half_floats"]
@@ -43,7 +43,7 @@ def half_floats(inputs: Any) -> Any:
 
 
 class Checkpoints(Protocol):
-    """A module that saves and loads an engine's checkpoints (`zengine._checkpoint`)."""
+    """A module that saves and loads an engine's checkpoints (`zengine._checkpoint._save_load`)."""
 
     def save_checkpoint(
         self,
@@ -502,12 +502,12 @@ class Engine(nn.Module):
         [Note: offload_states' footprint]."""
         return memory_held(self)
 
-    # -- checkpoints (_checkpoint.py, _save_16bit.py) ----------------------------------------
+    # -- checkpoints (the _checkpoint subpackage) --------------------------------------------
     # Imported when first used: torch.distributed.checkpoint takes about a second to import.
 
     def _checkpoints(self) -> Checkpoints:
         """What saves and loads this engine's checkpoints (the pipeline engine has its own)."""
-        from zengine import _checkpoint
+        from zengine._checkpoint import _save_load as _checkpoint
 
         return _checkpoint
 
@@ -563,7 +563,7 @@ class Engine(nn.Module):
     ) -> bool:
         """Rank 0 writes the whole model's state dict in the compute dtype (at stage 3 only with
         ``stage3_gather_16bit_weights_on_model_save``; False otherwise). Collective."""
-        from zengine import _save_16bit
+        from zengine._checkpoint import _save_16bit
 
         return _save_16bit.save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters
@@ -580,7 +580,7 @@ class Engine(nn.Module):
         """The whole model's state dict in the compute dtype, on the host, on rank 0 (empty on
         the others), gathered one module at a time: DeepSpeed's name, which Hugging Face
         Accelerate calls to save a ZeRO-3 model. Collective."""
-        from zengine import _save_16bit
+        from zengine._checkpoint import _save_16bit
 
         rank = dist.get_rank(self.group)
         return _save_16bit.gathered_state(self, rank, exclude_frozen_parameters)

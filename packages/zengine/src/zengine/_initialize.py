@@ -19,24 +19,24 @@ from torch.utils.data import DataLoader, Dataset
 
 import zcomm
 import zpartition
-from zengine._aio import nvme_offloader
-from zengine._autocast import autocast_loss_scaler, mark_comm_dtypes
-from zengine._config import EngineConfig, load_config
-from zengine._engine import Engine
-from zengine._errors import MissingArgumentError
-from zengine._layouts import FlatLayout, ShardedLayout
-from zengine._leaf_config import mark_configured_leaves
-from zengine._loss_scaler import DynamicLossScaler, StaticLossScaler
-from zengine._lr_schedules import build_scheduler
-from zengine._offload_optimizer import NvmeStateSwapper
-from zengine._offload_param import NvmeShardStore
-from zengine._refusals import (
+from zengine._assembly._leaf_config import mark_configured_leaves
+from zengine._assembly._refusals import (
     check_allgather_bucket_size,
     check_offloaded_optimizer,
     checked_optimizer,
 )
+from zengine._config._engine_config import EngineConfig, load_config
+from zengine._engine import Engine
+from zengine._errors import MissingArgumentError
+from zengine._offload._aio import nvme_offloader
+from zengine._offload._optimizer import NvmeStateSwapper
+from zengine._offload._param import NvmeShardStore
+from zengine._optim._autocast import autocast_loss_scaler, mark_comm_dtypes
+from zengine._optim._layouts import FlatLayout, ShardedLayout
+from zengine._optim._loss_scaler import DynamicLossScaler, StaticLossScaler
+from zengine._optim._lr_schedules import build_scheduler
+from zengine._optim._zero_optimizer import LossScaler, ZeroOptimizer
 from zengine._unused_params import is_optimized
-from zengine._zero_optimizer import LossScaler, ZeroOptimizer
 from zengine.ops.lion import FusedLion
 
 __all__ = ["initialize"]

@@ -43,9 +43,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.utils import checkpoint as torch_checkpoint
 
 import zcomm
-from zengine._config import read_config
-from zengine._config_errors import ConfigError, describe_validation_error
-from zengine._config_sections import Flag, _Section
+from zengine._config._engine_config import read_config
+from zengine._config._errors import ConfigError, describe_validation_error
+from zengine._config._sections import Flag, _Section
 
 __all__ = [
     "checkpoint",

@@ -30,9 +30,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from zengine import _checkpoint_files as files
-from zengine._checkpoint_pieces import Piece, PieceLoadPlanner
-from zengine._safetensors import SafetensorsWriter, write_tensor
+from zengine._checkpoint import _files as files
+from zengine._checkpoint._pieces import Piece, PieceLoadPlanner
+from zengine._checkpoint._safetensors import SafetensorsWriter, write_tensor
 
 __all__ = [
     "Entry",

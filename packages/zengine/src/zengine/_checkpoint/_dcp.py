@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from zengine._checkpoint_errors import CheckpointError
-from zengine._checkpoint_pieces import PieceSavePlanner
-from zengine._checkpoint_sync import Sync
+from zengine._checkpoint._errors import CheckpointError
+from zengine._checkpoint._pieces import PieceSavePlanner
+from zengine._checkpoint._sync import Sync
 
 __all__ = ["save_sharded"]
 

@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from zengine._checkpoint_errors import CorruptCheckpointError
+from zengine._checkpoint._errors import CorruptCheckpointError
 
 __all__ = [
     "LATEST",

@@ -14,8 +14,8 @@ from typing import Any
 import torch.distributed as dist
 
 from zengine.__about__ import __version__
-from zengine._checkpoint_errors import CheckpointMismatchError
-from zengine._checkpoint_state import full_shape, persistent_buffers
+from zengine._checkpoint._errors import CheckpointMismatchError
+from zengine._checkpoint._state import full_shape, persistent_buffers
 
 __all__ = ["FORMAT", "check", "describe"]
 

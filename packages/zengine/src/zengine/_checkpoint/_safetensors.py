@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from zengine._checkpoint_errors import CorruptCheckpointError
+from zengine._checkpoint._errors import CorruptCheckpointError
 
 __all__ = ["Entry", "MappedFile", "SafetensorsWriter", "read_header", "read_safetensors"]
 

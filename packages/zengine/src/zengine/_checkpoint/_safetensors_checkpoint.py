@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from zengine._checkpoint_errors import CorruptCheckpointError
-from zengine._safetensors import Entry, read_header
+from zengine._checkpoint._errors import CorruptCheckpointError
+from zengine._checkpoint._safetensors import Entry, read_header
 
 __all__ = ["checkpoint_entries", "resolve"]
 

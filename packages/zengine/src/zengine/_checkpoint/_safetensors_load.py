@@ -30,10 +30,10 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 import zcomm
 import zpartition
-from zengine._checkpoint_errors import CheckpointError, CheckpointMismatchError
+from zengine._checkpoint._errors import CheckpointError, CheckpointMismatchError
+from zengine._checkpoint._safetensors import Entry, MappedFile
+from zengine._checkpoint._safetensors_checkpoint import checkpoint_entries, resolve
 from zengine._engine import Engine
-from zengine._safetensors import Entry, MappedFile
-from zengine._safetensors_checkpoint import checkpoint_entries, resolve
 
 __all__ = ["load_safetensors"]
 

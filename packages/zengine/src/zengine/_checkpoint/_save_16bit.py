@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 import zpartition
-from zengine._checkpoint_state import persistent_buffers
-from zengine._checkpoint_sync import Sync
-from zengine._safetensors import SafetensorsWriter
+from zengine._checkpoint._safetensors import SafetensorsWriter
+from zengine._checkpoint._state import persistent_buffers
+from zengine._checkpoint._sync import Sync
 
 __all__ = ["gathered_state", "save_16bit_model"]
 

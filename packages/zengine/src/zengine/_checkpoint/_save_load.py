@@ -22,12 +22,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from zengine import _checkpoint_files as files
-from zengine._checkpoint_dcp import save_sharded
-from zengine._checkpoint_errors import CheckpointError, CheckpointTagError, CorruptCheckpointError
-from zengine._checkpoint_manifest import check, describe
-from zengine._checkpoint_pieces import PieceLoadPlanner
-from zengine._checkpoint_state import (
+from zengine._checkpoint import _files as files
+from zengine._checkpoint._dcp import save_sharded
+from zengine._checkpoint._errors import CheckpointError, CheckpointTagError, CorruptCheckpointError
+from zengine._checkpoint._manifest import check, describe
+from zengine._checkpoint._pieces import PieceLoadPlanner
+from zengine._checkpoint._state import (
     ENGINE,
     apply_engine_state,
     apply_optimizer_objects,
@@ -39,7 +39,7 @@ from zengine._checkpoint_state import (
     rank_key,
     rng_state,
 )
-from zengine._checkpoint_sync import Sync
+from zengine._checkpoint._sync import Sync
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -301,7 +301,7 @@ def read_entries(
     for key in extras:
         dest[key] = entries.get(key)
     error = None
-    try:  # each rank reads its own pieces: no collective (see _checkpoint_dcp.py)
+    try:  # each rank reads its own pieces: no collective (see _dcp.py)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)

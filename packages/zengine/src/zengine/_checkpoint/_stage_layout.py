@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zengine import _checkpoint_files as files
-from zengine._checkpoint_errors import CorruptCheckpointError
-from zengine._checkpoint_manifest import (
+from zengine._checkpoint import _files as files
+from zengine._checkpoint._errors import CorruptCheckpointError
+from zengine._checkpoint._manifest import (
     FORMAT,
     _name_differences,
     _optimizer_differences,

@@ -1,7 +1,7 @@
 """One stage of a pipeline loaded from a checkpoint saved with other stages or partitions.
 
 Every old stage's directory is an engine checkpoint keyed by parameter name (see
-_checkpoint_layout.py). This stage reads, from each old stage that holds some of its names
+_stage_layout.py). This stage reads, from each old stage that holds some of its names
 (the lowest one, for a tied weight held by several), the entries of those names only: a DCP
 load reads exactly the keys its destination holds, and reshards each over this stage's
 data-parallel ranks as any engine load does. What every stage saves alike (step counters, LR
@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zengine._checkpoint import _sync, _verify, read_entries
-from zengine._checkpoint_state import (
+from zengine._checkpoint._save_load import _sync, _verify, read_entries
+from zengine._checkpoint._stage_layout import owners, stage_dir
+from zengine._checkpoint._state import (
     ENGINE,
     PARAM_GROUPS,
     apply_engine_state,
@@ -27,8 +28,7 @@ from zengine._checkpoint_state import (
     apply_rng,
     rank_key,
 )
-from zengine._checkpoint_sync import Sync
-from zengine.pipe._checkpoint_layout import owners, stage_dir
+from zengine._checkpoint._sync import Sync
 
 __all__ = ["Sources", "load_stage", "sources"]
 
@@ -64,7 +64,7 @@ def sources(
 
 
 def _name_of(key: str) -> str:
-    """The parameter or buffer a state key belongs to (see _checkpoint_state.py):
+    """The parameter or buffer a state key belongs to (see _state.py):
     ``master/<name>``, ``model/<name>``, ``optim/<name>/<state>``; "" for other keys."""
     kind, _, rest = key.partition("/")
     if kind == "optim":

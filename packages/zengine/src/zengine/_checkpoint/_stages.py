@@ -4,7 +4,7 @@ load into any number of stages, any partition of the same layers, any data-paral
 The format, under ``save_dir``:
 
 - ``stage<s>/<tag>/``: stage s's layers (and its data-parallel replicas' shards), saved as
-  zengine saves any engine (`zengine._checkpoint`: DCP files keyed by parameter name, a
+  zengine saves any engine (`zengine._checkpoint._save_load`: DCP files keyed by parameter name, a
   manifest ``zengine.json`` listing every parameter and buffer with its shape, CRCs), without
   a ``latest`` of its own. A `PipelineModule` names a layer's parameters by the layer's global
   index (``3.up.weight``) and a tied layer's by its key (``tied_modules.embed.weight``, saved by
@@ -23,7 +23,7 @@ directory, another layer count, a parameter missing, extra, of another shape or 
 group fails the load on every rank, naming the layers and parameters, before anything is
 loaded. Then a stage whose saved directory holds exactly its names (same stages, same
 partition) loads that directory as before; any other stage reads each of its names from an
-old stage that saved it (_checkpoint_reshape.py). Either way DCP reshards each name over the
+old stage that saved it (_stage_reshape.py). Either way DCP reshards each name over the
 stage's data-parallel ranks and ZeRO stage. A checkpoint without ``pipeline-<tag>.json``
 (saved before it existed) loads only into the same stages. Every stage checks every file it
 will read against its CRC before any stage reads one, so a damaged file loads nothing anywhere;
@@ -41,10 +41,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 import zcomm
-from zengine import _checkpoint_files as files
-from zengine._checkpoint_errors import CheckpointError, CheckpointMismatchError
-from zengine._checkpoint_sync import Sync
-from zengine.pipe._checkpoint_layout import (
+from zengine._checkpoint import _files as files
+from zengine._checkpoint._errors import CheckpointError, CheckpointMismatchError
+from zengine._checkpoint._stage_layout import (
     layout_path,
     mismatches,
     module_layout,
@@ -55,9 +54,10 @@ from zengine.pipe._checkpoint_layout import (
     stage_dir,
     write_layout,
 )
+from zengine._checkpoint._sync import Sync
 
 if TYPE_CHECKING:  # imported where used: it imports torch.distributed.checkpoint
-    from zengine.pipe._checkpoint_reshape import Sources
+    from zengine._checkpoint._stage_reshape import Sources
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -105,7 +105,9 @@ def save_checkpoint(
     save_latest: bool,
     exclude_frozen_parameters: bool = False,
 ) -> bool:
-    from zengine import _checkpoint  # torch.distributed.checkpoint: a second to import
+    from zengine._checkpoint import (
+        _save_load as _checkpoint,  # torch.distributed.checkpoint: a second to import
+    )
 
     root = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -151,8 +153,10 @@ def load_checkpoint(
     load_module_strict: bool = True,
     load_module_only: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    from zengine import _checkpoint  # torch.distributed.checkpoint: a second to import
-    from zengine.pipe import _checkpoint_reshape as reshape
+    from zengine._checkpoint import (
+        _save_load as _checkpoint,  # torch.distributed.checkpoint: a second to import
+    )
+    from zengine._checkpoint import _stage_reshape as reshape
 
     root = Path(load_dir)
     if tag is None:
@@ -206,7 +210,7 @@ def load_checkpoint(
 def _verify_stage(engine: Any, root: Path, tag: str, sources: Sources | None) -> None:
     """Every file this stage will read against its CRC: its own directory (`sources` None)
     or its old stages'. Collective over the stage's data-parallel ranks."""
-    from zengine._checkpoint import _sync, _verify
+    from zengine._checkpoint._save_load import _sync, _verify
 
     sync = _sync(engine)
     if sources is not None:
@@ -227,7 +231,7 @@ def _sources(engine: Any, root: Path, tag: str, optimizer: bool, where: str) -> 
     """Where this stage loads from: None for its own saved directory (it holds exactly this
     stage's names, or the checkpoint has no layout), else the old stages to read. Collective
     over the world; raises alike on every rank when the checkpoint does not fit the module."""
-    from zengine.pipe import _checkpoint_reshape as reshape
+    from zengine._checkpoint import _stage_reshape as reshape
 
     world = _world(engine)
     layout, saved, error = None, [], None

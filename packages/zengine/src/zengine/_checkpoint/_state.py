@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from zengine._checkpoint_pieces import Piece
+from zengine._checkpoint._pieces import Piece
 
 __all__ = [
     "ENGINE",

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import zcomm
-from zengine._checkpoint_errors import (
+from zengine._checkpoint._errors import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,

@@ -23,8 +23,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from zengine._config_errors import dotted, show
-from zengine._config_sections import as_switch
+from zengine._config._errors import dotted, show
+from zengine._config._sections import as_switch
 
 __all__ = ["SetAside", "keys_at", "set_aside"]
 

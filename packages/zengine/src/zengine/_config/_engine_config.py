@@ -19,9 +19,10 @@ import hjson  # type: ignore[import-untyped]
 import torch
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 
-from zengine._config_deepspeed import keys_at, set_aside
-from zengine._config_errors import ConfigError, config_error, describe_validation_error, show
-from zengine._config_sections import (
+from zengine._config._deepspeed_keys import keys_at, set_aside
+from zengine._config._errors import ConfigError, config_error, describe_validation_error, show
+from zengine._config._grad_reduction import GradReduction
+from zengine._config._sections import (
     AioConfig,
     BF16Config,
     CheckpointConfig,
@@ -37,7 +38,6 @@ from zengine._config_sections import (
     _Section,
     dtype_name,
 )
-from zengine._grad_reduction import GradReduction
 from zpartition import ZeroParamConfig
 
 __all__ = ["ConfigError", "EngineConfig", "load_config", "read_config"]

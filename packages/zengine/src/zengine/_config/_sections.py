@@ -3,7 +3,7 @@
 Every model forbids unknown keys and validates strictly (``"true"`` is not ``true``), except that
 sizes counted in elements may be written as whole floats (``5e8``, as DeepSpeed's examples do)
 and switches as ``0`` and ``1`` (as DeepSpeed's own tests write them).
-`zengine._config` puts them together and turns pydantic's errors into readable lines.
+`zengine._config._engine_config` puts them together and turns pydantic's errors into readable lines.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from zengine._config_errors import config_error, show
+from zengine._config._errors import config_error, show
 
 __all__ = [
     "AioConfig",

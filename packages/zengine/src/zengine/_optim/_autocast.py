@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from zengine._config import EngineConfig
-from zengine._config_errors import ConfigError
-from zengine._loss_scaler import DynamicLossScaler
+from zengine._config._engine_config import EngineConfig
+from zengine._config._errors import ConfigError
+from zengine._optim._loss_scaler import DynamicLossScaler
 
 __all__ = [
     "COMM_DTYPE_ATTR",

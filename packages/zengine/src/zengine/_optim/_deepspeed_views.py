@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._layouts import ALIGNMENT, FlatLayout, ShardedLayout
-from zengine._partitions import Partitions
+from zengine._optim._layouts import ALIGNMENT, FlatLayout, ShardedLayout
+from zengine._optim._partitions import Partitions
 
 if TYPE_CHECKING:
-    from zengine._zero_optimizer import Layout, LossScaler
+    from zengine._optim._zero_optimizer import Layout, LossScaler
 
 __all__ = ["DeepSpeedViews"]
 

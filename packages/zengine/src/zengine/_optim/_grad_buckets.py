@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._autocast import get_comm_dtype, has_comm_dtype
+from zengine._optim._autocast import get_comm_dtype, has_comm_dtype
 
 __all__ = ["GradBuckets"]
 

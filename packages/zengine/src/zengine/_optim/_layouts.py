@@ -33,9 +33,9 @@ from torch import nn
 
 import zcomm
 import zpartition
-from zengine._grad_buckets import GradBuckets
-from zengine._offload_param import NvmeShardStore
-from zengine._partitions import Partitions
+from zengine._offload._param import NvmeShardStore
+from zengine._optim._grad_buckets import GradBuckets
+from zengine._optim._partitions import Partitions
 from zpartition import ZeroParameter
 
 __all__ = ["FlatLayout", "ShardedLayout"]

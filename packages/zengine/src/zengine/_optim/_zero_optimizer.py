@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._deepspeed_views import DeepSpeedViews
-from zengine._host_memory import zero_releasing_pages
-from zengine._layouts import ShardedLayout
-from zengine._offload_optimizer import NvmeStateSwapper
-from zengine._partitions import Partitions
+from zengine._offload._host_memory import zero_releasing_pages
+from zengine._offload._optimizer import NvmeStateSwapper
+from zengine._optim._deepspeed_views import DeepSpeedViews
+from zengine._optim._layouts import ShardedLayout
+from zengine._optim._partitions import Partitions
 
 __all__ = ["Layout", "LossScaler", "ZeroOptimizer"]
 

@@ -19,7 +19,7 @@ from torch import nn
 import zcomm
 import zpipe
 from zengine import checkpointing
-from zengine._config_sections import PipelineConfig
+from zengine._config._sections import PipelineConfig
 from zengine._engine import Checkpoints, Engine
 from zengine.pipe._agreement import check_agreement
 from zengine.pipe._eager import EagerSends
@@ -149,8 +149,8 @@ class PipelineEngine(Engine):
         return module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
 
     def _checkpoints(self) -> Checkpoints:
-        """One checkpoint per stage under one 'latest' (pipe/_checkpoint.py)."""
-        from zengine.pipe import _checkpoint
+        """One checkpoint per stage under one 'latest' (_checkpoint/_stages.py)."""
+        from zengine._checkpoint import _stages as _checkpoint
 
         return _checkpoint
 

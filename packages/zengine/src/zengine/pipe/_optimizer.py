@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._layouts import FlatLayout
-from zengine._zero_optimizer import ZeroOptimizer
+from zengine._optim._layouts import FlatLayout
+from zengine._optim._zero_optimizer import ZeroOptimizer
 
 __all__ = ["PipeZeroOptimizer"]
 

@@ -3,7 +3,7 @@ optimizer state, this rank's piece (``local``) or the whole (``full``, every ran
 and its logging helpers (``logger``, ``log_dist``, ``print_dist``, ``see_memory_usage``).
 
 A parameter's piece lives in the ZeRO optimizer's flat partitions (see [Note: flat partitions]
-in _partitions.py). Parameters the optimizer does not hold (frozen ones) give None.
+in _optim/_partitions.py). Parameters the optimizer does not hold (frozen ones) give None.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Generic, TypeVar
 import torch
 
 import zcomm
-from zengine._partitions import Fragment
-from zengine._zero_optimizer import ZeroOptimizer
+from zengine._optim._partitions import Fragment
+from zengine._optim._zero_optimizer import ZeroOptimizer
 from zengine.utils._logging import log_dist, logger, print_dist, see_memory_usage
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 ``from zengine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint`` stands in
 for DeepSpeed's import. A zengine checkpoint is read in one process without torch.distributed,
-whatever world size and ZeRO stage wrote it (see zengine/_consolidate.py); ``zengine
+whatever world size and ZeRO stage wrote it (see zengine/_checkpoint/_consolidate.py); ``zengine
 consolidate CKPT OUT`` is the command-line form.
 """
 
@@ -17,8 +17,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from zengine import _checkpoint_files as files
-from zengine._consolidate import (
+from zengine._checkpoint import _files as files
+from zengine._checkpoint._consolidate import (
     Entry,
     consolidate_shards,
     contents_of,

@@ -1,0 +1,8 @@
+"""Offload: the engine's state on the host or on NVMe, and host memory given back.
+
+Owns ``offload_optimizer: nvme`` (the masters and the optimizer state in files between steps,
+_optimizer.py), ``offload_param: nvme`` (ZeRO-3 shards in files while released, _param.py),
+``engine.offload_states`` / ``reload_states`` (_states.py), the NVMe offloader the ``aio``
+section sets (_aio.py), and freed host memory handed back to the system (_host_memory.py). The
+bytes move through zoffload; the tensors moved are the optimizer's and the model's.
+"""

@@ -1,0 +1,9 @@
+"""The optimizer side: the ZeRO optimizer and what it steps.
+
+Owns the ZeRO optimizer (_zero_optimizer.py), the flat fp32 partitions (_partitions.py), the
+flat (stages 0-2) and sharded (stage 3) layouts that fill them (_layouts.py), the gradient
+buckets of stages 0-2 (_grad_buckets.py), DeepSpeed's attribute names as views of its state
+(_deepspeed_views.py), mixed precision: the loss scalers (_loss_scaler.py) and
+``torch_autocast`` (_autocast.py), and DeepSpeed's LR schedules (_lr_schedules.py). Not where
+its state is offloaded to (_offload), nor how `initialize` builds it from the config.
+"""
