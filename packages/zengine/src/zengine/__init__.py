@@ -15,7 +15,6 @@ from zengine._checkpoint._errors import (
     CheckpointTagError,
     CorruptCheckpointError,
 )
-from zengine._checkpoint._safetensors_load import load_safetensors
 from zengine._config._args import add_config_arguments
 from zengine._config._engine_config import ConfigError, EngineConfig, load_config
 from zengine._engine import Engine
@@ -31,6 +30,7 @@ from zengine._estimate import (
     estimate_zero3_model_states_mem_needs_all_live,
 )
 from zengine._initialize import initialize
+from zengine._load_safetensors import load_safetensors
 from zengine._offload._states import get_state_devices
 from zengine._optim._autocast import get_comm_dtype, has_comm_dtype
 from zengine._optim._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler

@@ -9,3 +9,7 @@ _stage_reshape.py), ``zengine consolidate`` and zero_to_fp32's reading (_consoli
 a checkpoint's files (_safetensors_checkpoint.py) and a load into a ZeRO-3 model
 (_safetensors_load.py). Its errors are in _errors.py.
 """
+
+from zengine._checkpoint._safetensors_load import load_safetensors_into
+
+__all__ = ["load_safetensors_into"]

@@ -1,5 +1,5 @@
-"""`load_safetensors`: a Hugging Face style safetensors checkpoint into a ZeRO-3 model, each
-rank reading only the bytes of its own shards.
+"""A Hugging Face style safetensors checkpoint loaded into a module, partitioned (ZeRO-3) or not,
+each rank reading only the bytes of its own shards (`zengine.load_safetensors` is the verb).
 
 [Note: each rank reads its own bytes]
 Transformers under DeepSpeed ZeRO-3 has rank 0 read the whole checkpoint and broadcast it one
@@ -33,9 +33,8 @@ import zpartition
 from zengine._checkpoint._errors import CheckpointError, CheckpointMismatchError
 from zengine._checkpoint._safetensors import Entry, MappedFile
 from zengine._checkpoint._safetensors_checkpoint import checkpoint_entries, resolve
-from zengine._engine import Engine
 
-__all__ = ["load_safetensors"]
+__all__ = ["load_safetensors_into"]
 
 log = logging.getLogger("zengine")
 
@@ -234,7 +233,11 @@ def _is_first(channel: Any) -> bool:
     return not zcomm.is_initialized() or zcomm.get_rank() == 0
 
 
-def _load(module: nn.Module, checkpoint: str | os.PathLike[str], strict: bool) -> _IncompatibleKeys:
+def load_safetensors_into(
+    module: nn.Module, checkpoint: str | os.PathLike[str], strict: bool
+) -> _IncompatibleKeys:
+    """Load `checkpoint` into `module` (see `zengine.load_safetensors`); every rank of the
+    module's groups must call it."""
     started = time.perf_counter()
     targets = _targets(module)
     units = _units(targets)
@@ -259,34 +262,3 @@ def _load(module: nn.Module, checkpoint: str | os.PathLike[str], strict: bool) -
         time.perf_counter() - started,
     )
     return _IncompatibleKeys(plan.missing, plan.unexpected)
-
-
-def load_safetensors(
-    model: nn.Module | Engine | zpartition.Partitioned,
-    checkpoint: str | os.PathLike[str],
-    *,
-    strict: bool = True,
-) -> _IncompatibleKeys:
-    """Load a Hugging Face style safetensors checkpoint into `model`, partitioned or not.
-
-    `checkpoint` is a ``.safetensors`` file, a ``model.safetensors.index.json`` (Transformers'
-    shards), or a directory holding either. Into a ZeRO-3 model (``zpartition.Init``,
-    ``zpartition.partition``, a stage-3 engine) each rank reads, memory-mapped, only the bytes
-    of its own shards. Checkpoint tensors are converted to the model's dtypes; a tied weight
-    stored under one of its names is loaded under all. Given an `Engine`, its module is
-    loaded and the optimizer's fp32 masters taken from it (``refresh_fp32_params``), so the
-    next step starts from the loaded weights.
-
-    Returns ``(missing_keys, unexpected_keys)`` as ``load_state_dict``. With `strict`, missing
-    or unexpected tensors and tensors of another shape raise `CheckpointMismatchError` naming
-    them (and the file and both shapes) before anything is loaded; without, they are skipped,
-    a tensor of another shape with a warning and among the missing keys. A missing file raises
-    ``FileNotFoundError``, a damaged one `CorruptCheckpointError`, both naming the file. Every
-    rank of the model's group must call it.
-    """
-    module = model.module if isinstance(model, (Engine, zpartition.Partitioned)) else model
-    result = _load(module, checkpoint, strict)
-    refresh = getattr(getattr(model, "optimizer", None), "refresh_fp32_params", None)
-    if isinstance(model, Engine) and refresh is not None:
-        refresh()
-    return result
