@@ -149,7 +149,7 @@ def _rss() -> dict[str, float]:
 def consolidator(library: str, checkpoint: str, out: str) -> None:
     torch.set_num_threads(1)
     if library == "zengine":
-        from zengine._checkpoint._consolidate import consolidate
+        from zengine._checkpoint import consolidate
 
         baseline = _rss()["VmRSS"]
         start = time.perf_counter()

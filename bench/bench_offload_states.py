@@ -34,7 +34,7 @@ _PAGE = 4096
 
 
 def _rss_mib() -> float:
-    from zengine._offload._host_memory import trim_heap
+    from zengine._offload import trim_heap
 
     trim_heap()
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -14,7 +14,7 @@ from torch import nn
 import zcomm
 import zengine
 from zcomm.testing import DistributedTest
-from zengine._config._engine_config import ConfigError
+from zengine._config import ConfigError
 from zengine._optim._grad_buckets import _cut
 
 from ._models import TinyGPT, global_batches

@@ -15,8 +15,7 @@ import zcomm
 import zengine
 import zpartition
 from zcomm.testing import DistributedTest
-from zengine._checkpoint._consolidate import consolidate, fp32_state_dict
-from zengine._checkpoint._safetensors import read_safetensors
+from zengine._checkpoint import consolidate, fp32_state_dict, read_safetensors
 from zengine.utils.zero_to_fp32 import (
     LazyTensor,
     _bytes,

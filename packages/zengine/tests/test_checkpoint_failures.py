@@ -16,7 +16,7 @@ import torch
 import zcomm
 import zengine
 from zcomm.testing import DistributedTest
-from zengine._checkpoint._errors import (
+from zengine._checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,

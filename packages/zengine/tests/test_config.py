@@ -13,7 +13,7 @@ import pydantic
 import pytest
 import torch
 
-from zengine._config._engine_config import ConfigError, EngineConfig, load_config
+from zengine._config import ConfigError, EngineConfig, load_config
 from zpartition import ZeroParamConfig
 
 # The config of DeepSpeed's test_zero_context_return.py (seeds/000_339ec31897b12b43.txt).

@@ -18,7 +18,7 @@ import torch
 import zengine
 import zoffload
 from zcomm.testing import DistributedTest
-from zengine._offload._host_memory import IdleTrimmer, zero_releasing_pages
+from zengine._offload import IdleTrimmer, zero_releasing_pages
 
 from ._models import TinyGPT, global_batches
 

@@ -21,7 +21,7 @@ import zcomm
 import zengine
 import zpartition
 from zcomm.testing import DistributedTest
-from zengine._checkpoint._safetensors import SafetensorsWriter
+from zengine._checkpoint import SafetensorsWriter
 
 from ._models import HIDDEN, TinyGPT, global_batches, plain_losses
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zengine._optim._loss_scaler import (
+from zengine._optim import (
     DynamicLossScaler,
     MinLossScaleError,
     StaticLossScaler,

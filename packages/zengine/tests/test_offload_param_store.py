@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from zengine._offload._param import NvmeShardStore
+from zengine._offload import NvmeShardStore
 
 NUMEL = 10_000
 

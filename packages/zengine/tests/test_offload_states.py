@@ -22,7 +22,7 @@ import zcomm
 import zengine
 import zoffload
 from zcomm.testing import DistributedTest
-from zengine._offload._host_memory import trim_heap
+from zengine._offload import trim_heap
 from zengine._offload._states import state_tensors
 from zoffload import OffloadStateTypeEnum
 

@@ -16,7 +16,7 @@ from torch import nn
 import zcomm
 from zcomm.testing import DistributedTest
 from zengine import CheckpointError
-from zengine._checkpoint._errors import CheckpointMismatchError, CorruptCheckpointError
+from zengine._checkpoint import CheckpointMismatchError, CorruptCheckpointError
 from zengine.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
 
 from ._models import HIDDEN, VOCAB, Block

@@ -9,14 +9,13 @@ DeepSpeed's activation checkpointing; ``zengine.ops`` its optimizer classes.
 from zcomm import init_distributed
 from zengine import checkpointing, ops, pipe, utils, zero
 from zengine.__about__ import __version__
-from zengine._checkpoint._errors import (
+from zengine._checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointTagError,
     CorruptCheckpointError,
 )
-from zengine._config._args import add_config_arguments
-from zengine._config._engine_config import ConfigError, EngineConfig, load_config
+from zengine._config import ConfigError, EngineConfig, add_config_arguments, load_config
 from zengine._engine import Engine
 from zengine._errors import UsageError
 from zengine._estimate import (
@@ -31,17 +30,20 @@ from zengine._estimate import (
 )
 from zengine._initialize import initialize
 from zengine._load_safetensors import load_safetensors
-from zengine._offload._states import get_state_devices
-from zengine._optim._autocast import get_comm_dtype, has_comm_dtype
-from zengine._optim._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler
-from zengine._optim._lr_schedules import (
+from zengine._offload import get_state_devices
+from zengine._optim import (
+    DynamicLossScaler,
     LRRangeTest,
+    MinLossScaleError,
     OneCycle,
+    StaticLossScaler,
     WarmupCosineLR,
     WarmupDecayLR,
     WarmupLR,
+    ZeroOptimizer,
+    get_comm_dtype,
+    has_comm_dtype,
 )
-from zengine._optim._zero_optimizer import ZeroOptimizer
 from zengine.utils import (
     safe_get_full_fp32_param,
     safe_get_full_grad,

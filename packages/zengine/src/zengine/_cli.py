@@ -7,8 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from zengine._checkpoint._consolidate import DEFAULT_BUDGET, consolidate
-from zengine._checkpoint._errors import CheckpointError
+from zengine._checkpoint import DEFAULT_BUDGET, CheckpointError, consolidate
 
 __all__ = ["main"]
 

@@ -21,11 +21,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 import zcomm
 import zpartition
 from zengine._errors import UsageError
-from zengine._offload._aio import nvme_offloader
-from zengine._offload._host_memory import IdleTrimmer, trim_heap
-from zengine._offload._states import StateOffloader, memory_held
-from zengine._optim._autocast import autocast_dtype, forward_autocast
-from zengine._optim._zero_optimizer import ZeroOptimizer
+from zengine._offload import IdleTrimmer, StateOffloader, memory_held, nvme_offloader, trim_heap
+from zengine._optim import ZeroOptimizer, autocast_dtype, forward_autocast
 from zengine._progress import Progress
 from zengine._unused_params import UnusedParameterCheck
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum, default_pool
@@ -43,7 +40,8 @@ def half_floats(inputs: Any) -> Any:
 
 
 class Checkpoints(Protocol):
-    """A module that saves and loads an engine's checkpoints (`zengine._checkpoint._save_load`)."""
+    """What saves and loads an engine's checkpoints: the `zengine._checkpoint` package, or the
+    pipeline's (`zengine.pipe._checkpoint`)."""
 
     def save_checkpoint(
         self,
@@ -503,11 +501,11 @@ class Engine(nn.Module):
         return memory_held(self)
 
     # -- checkpoints (the _checkpoint subpackage) --------------------------------------------
-    # Imported when first used: torch.distributed.checkpoint takes about a second to import.
+    # Its modules that import torch.distributed.checkpoint (about a second) load at first use.
 
     def _checkpoints(self) -> Checkpoints:
         """What saves and loads this engine's checkpoints (the pipeline engine has its own)."""
-        from zengine._checkpoint import _save_load as _checkpoint
+        from zengine import _checkpoint
 
         return _checkpoint
 
@@ -563,9 +561,9 @@ class Engine(nn.Module):
     ) -> bool:
         """Rank 0 writes the whole model's state dict in the compute dtype (at stage 3 only with
         ``stage3_gather_16bit_weights_on_model_save``; False otherwise). Collective."""
-        from zengine._checkpoint import _save_16bit
+        from zengine._checkpoint import save_16bit_model
 
-        return _save_16bit.save_16bit_model(
+        return save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters
         )
 
@@ -580,10 +578,10 @@ class Engine(nn.Module):
         """The whole model's state dict in the compute dtype, on the host, on rank 0 (empty on
         the others), gathered one module at a time: DeepSpeed's name, which Hugging Face
         Accelerate calls to save a ZeRO-3 model. Collective."""
-        from zengine._checkpoint import _save_16bit
+        from zengine._checkpoint import gathered_state
 
         rank = dist.get_rank(self.group)
-        return _save_16bit.gathered_state(self, rank, exclude_frozen_parameters)
+        return gathered_state(self, rank, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name
 

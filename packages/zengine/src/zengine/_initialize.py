@@ -25,17 +25,21 @@ from zengine._assembly._refusals import (
     check_offloaded_optimizer,
     checked_optimizer,
 )
-from zengine._config._engine_config import EngineConfig, load_config
+from zengine._config import EngineConfig, load_config
 from zengine._engine import Engine
 from zengine._errors import MissingArgumentError
-from zengine._offload._aio import nvme_offloader
-from zengine._offload._optimizer import NvmeStateSwapper
-from zengine._offload._param import NvmeShardStore
-from zengine._optim._autocast import autocast_loss_scaler, mark_comm_dtypes
-from zengine._optim._layouts import FlatLayout, ShardedLayout
-from zengine._optim._loss_scaler import DynamicLossScaler, StaticLossScaler
-from zengine._optim._lr_schedules import build_scheduler
-from zengine._optim._zero_optimizer import LossScaler, ZeroOptimizer
+from zengine._offload import NvmeShardStore, NvmeStateSwapper, nvme_offloader
+from zengine._optim import (
+    DynamicLossScaler,
+    FlatLayout,
+    LossScaler,
+    ShardedLayout,
+    StaticLossScaler,
+    ZeroOptimizer,
+    autocast_loss_scaler,
+    build_scheduler,
+    mark_comm_dtypes,
+)
 from zengine._unused_params import is_optimized
 from zengine.ops.lion import FusedLion
 

@@ -43,9 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.utils import checkpoint as torch_checkpoint
 
 import zcomm
-from zengine._config._engine_config import read_config
-from zengine._config._errors import ConfigError, describe_validation_error
-from zengine._config._sections import Flag, _Section
+from zengine._config import ConfigError, Flag, Section, describe_validation_error, read_config
 
 __all__ = [
     "checkpoint",
@@ -61,7 +59,7 @@ __all__ = [
 log = logging.getLogger("zengine.checkpointing")
 
 
-class ActivationCheckpointingConfig(_Section):
+class ActivationCheckpointingConfig(Section):
     """DeepSpeed's ``activation_checkpointing`` section."""
 
     partition_activations: Flag = False

@@ -2,15 +2,17 @@
 (DeepSpeed's ``DeepSpeedZeroConfig(**zero_section)`` is `ZeroConfig`). Each takes DeepSpeed's
 keys and defaults, and names a bad key or value as `EngineConfig` does."""
 
-from zengine._config._engine_config import ConfigError, EngineConfig, load_config
-from zengine._config._sections import (
+from zengine._config import (
     DEFAULT_LEAF_MODULE_CLASSES,
     DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
     DEFAULT_LEAF_MODULE_NAMES,
+    ConfigError,
+    EngineConfig,
     LeafModuleConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     ZeroConfig,
+    load_config,
 )
 
 __all__ = [

@@ -8,7 +8,7 @@ import logging
 from torch import nn
 
 import zpartition
-from zengine._config._sections import (
+from zengine._config import (
     DEFAULT_LEAF_MODULE_CLASSES,
     DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
     DEFAULT_LEAF_MODULE_NAMES,

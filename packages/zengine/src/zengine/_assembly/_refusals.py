@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from zengine._config._engine_config import EngineConfig
+from zengine._config import EngineConfig
 from zengine._errors import UsageError
-from zengine._optim._layouts import ALIGNMENT
+from zengine._optim import ALIGNMENT
 from zengine.ops.adam import DeepSpeedCPUAdam
 from zengine.ops.lion import DeepSpeedCPULion
 

@@ -7,9 +7,85 @@ agreement (_sync.py), a pipeline's checkpoint in stages (_stages.py, _stage_layo
 _stage_reshape.py), ``zengine consolidate`` and zero_to_fp32's reading (_consolidate.py), the
 16-bit model save (_save_16bit.py), and Hugging Face safetensors: the format (_safetensors.py),
 a checkpoint's files (_safetensors_checkpoint.py) and a load into a ZeRO-3 model
-(_safetensors_load.py). Its errors are in _errors.py.
+(_safetensors_load.py). Its errors are in _errors.py. It reads the engine through its
+attributes and never imports it.
 """
 
-from zengine._checkpoint._safetensors_load import load_safetensors_into
+from __future__ import annotations
 
-__all__ = ["load_safetensors_into"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from zengine._checkpoint._errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointTagError,
+    CorruptCheckpointError,
+)
+from zengine._checkpoint._files import resolve
+from zengine._checkpoint._safetensors import SafetensorsWriter, read_safetensors
+from zengine._checkpoint._safetensors_load import load_safetensors_into
+from zengine._checkpoint._sync import Sync
+
+if TYPE_CHECKING:
+    from zengine._checkpoint._consolidate import (
+        DEFAULT_BUDGET,
+        Entry,
+        consolidate,
+        consolidate_shards,
+        contents_of,
+        fp32_state_dict,
+        read_tensors,
+    )
+    from zengine._checkpoint._save_16bit import gathered_state, save_16bit_model
+    from zengine._checkpoint._save_load import load_checkpoint, save_checkpoint
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointTagError",
+    "CorruptCheckpointError",
+    "Entry",
+    "SafetensorsWriter",
+    "Sync",
+    "consolidate",
+    "consolidate_shards",
+    "contents_of",
+    "fp32_state_dict",
+    "gathered_state",
+    "load_checkpoint",
+    "load_safetensors_into",
+    "read_safetensors",
+    "read_tensors",
+    "resolve",
+    "save_16bit_model",
+    "save_checkpoint",
+]
+
+# torch.distributed.checkpoint takes about a second and 50 MiB to import: the modules that import
+# it are imported when one of their names is first asked for (PEP 562), not by ``import zengine``.
+_LAZY = {
+    "_consolidate": (
+        "DEFAULT_BUDGET",
+        "Entry",
+        "consolidate",
+        "consolidate_shards",
+        "contents_of",
+        "fp32_state_dict",
+        "read_tensors",
+    ),
+    "_save_16bit": ("gathered_state", "save_16bit_model"),
+    "_save_load": ("load_checkpoint", "save_checkpoint"),
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+
+if not TYPE_CHECKING:  # mypy reads the imports above; an unknown name stays an error for it
+
+    def __getattr__(name: str) -> Any:
+        module = _MODULE_OF.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        globals()[name] = value
+        return value

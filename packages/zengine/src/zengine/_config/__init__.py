@@ -7,3 +7,42 @@ errors that name a key's full path (_errors.py), the reduction options the confi
 command-line flags (_args.py). It reads and checks; what a section does to the model, the
 optimizer or the offload lives with them.
 """
+
+from zengine._config._args import add_config_arguments
+from zengine._config._engine_config import EngineConfig, load_config, read_config
+from zengine._config._errors import ConfigError, describe_validation_error
+from zengine._config._grad_reduction import GradReduction
+from zengine._config._sections import (
+    DEFAULT_LEAF_MODULE_CLASSES,
+    DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
+    DEFAULT_LEAF_MODULE_NAMES,
+    AioConfig,
+    Flag,
+    LeafModuleConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    PipelineConfig,
+    Section,
+    ZeroConfig,
+)
+
+__all__ = [
+    "DEFAULT_LEAF_MODULE_CLASSES",
+    "DEFAULT_LEAF_MODULE_NAMES",
+    "DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
+    "AioConfig",
+    "ConfigError",
+    "EngineConfig",
+    "Flag",
+    "GradReduction",
+    "LeafModuleConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "PipelineConfig",
+    "Section",
+    "ZeroConfig",
+    "add_config_arguments",
+    "describe_validation_error",
+    "load_config",
+    "read_config",
+]

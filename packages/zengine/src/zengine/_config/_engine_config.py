@@ -33,9 +33,9 @@ from zengine._config._sections import (
     OptimizerConfig,
     PipelineConfig,
     SchedulerConfig,
+    Section,
     TorchAutocastConfig,
     ZeroConfig,
-    _Section,
     dtype_name,
 )
 from zpartition import ZeroParamConfig
@@ -54,7 +54,7 @@ _Positive = Annotated[int, Field(ge=1)]
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class _Sections(_Section):
+class _Sections(Section):
     """Every key but the three batch sizes, whose resolved and given forms differ."""
 
     steps_per_print: int | float = Field(default=10, ge=1)

@@ -41,6 +41,7 @@ __all__ = [
     "ParallelWriteConfig",
     "PipelineConfig",
     "SchedulerConfig",
+    "Section",
     "TorchAutocastConfig",
     "ZeroConfig",
     "as_switch",
@@ -125,7 +126,9 @@ def _check_stage(stage: int) -> int:
     return stage
 
 
-class _Section(BaseModel):
+# The base of every section (and of zengine.checkpointing's): unknown keys refused, values strict,
+# frozen, and read by DeepSpeed's key as a dict is.
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
 
     # DeepSpeed's ``engine.config`` is the config dict, and Transformers and TRL read it as one
@@ -159,7 +162,7 @@ class _Section(BaseModel):
         return None
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     """``optimizer``: which torch optimizer the engine builds, and its keyword arguments."""
 
     type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lion"]
@@ -193,7 +196,7 @@ class OptimizerConfig(_Section):
         return params
 
 
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     """``scheduler``: one of DeepSpeed's learning-rate schedules and its arguments."""
 
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "OneCycle"]
@@ -207,7 +210,7 @@ class SchedulerConfig(_Section):
         return _choose(value, SCHEDULERS, "scheduler")
 
 
-class FP16Config(_Section):
+class FP16Config(Section):
     """``fp16``: float16 mixed precision with a static or dynamic loss scale."""
 
     enabled: Flag = False
@@ -238,7 +241,7 @@ class FP16Config(_Section):
         return float(2**self.initial_scale_power)
 
 
-class DataTypesConfig(_Section):
+class DataTypesConfig(Section):
     """``data_types``: the dtypes of training state that the precision sections do not set."""
 
     grad_accum_dtype: DataType | None = None
@@ -248,7 +251,7 @@ class DataTypesConfig(_Section):
     BF16_Optimizer), else the compute dtype."""
 
 
-class BF16Config(_Section):
+class BF16Config(Section):
     """``bf16`` (DeepSpeed's older name: ``bfloat16``): bfloat16 mixed precision."""
 
     enabled: Flag = False
@@ -257,7 +260,7 @@ class BF16Config(_Section):
     checks them always (``nonfinite_gradients`` says what then), so ``false`` warns."""
 
 
-class TorchAutocastConfig(_Section):
+class TorchAutocastConfig(Section):
     """``torch_autocast``: the engine runs the model's forward under ``torch.autocast``, with
     the parameters, masters and optimizer state in the model's own dtype (fp32): PyTorch's
     native mixed precision, where ``fp16``/``bf16`` cast the model itself."""
@@ -272,7 +275,7 @@ class TorchAutocastConfig(_Section):
     an exact class match, as DeepSpeed's. None: Linear and Conv1d/2d/3d."""
 
 
-class _OffloadConfig(_Section):
+class _OffloadConfig(Section):
     device: OffloadDevice = "none"
     """Where to offload: ``none``, ``cpu`` or ``nvme``."""
     nvme_path: Path | None = Field(default=None, strict=False)
@@ -322,7 +325,7 @@ class OffloadOptimizerConfig(_OffloadConfig):
     step on this one."""
 
 
-class AioConfig(_Section):
+class AioConfig(Section):
     """``aio``: how NVMe offload reads and writes (DeepSpeed's libaio settings).
 
     zoffload keeps ``queue_depth x thread_count`` requests of ``block_size`` bytes in flight,
@@ -390,7 +393,7 @@ def _deduplicated(values: list[str]) -> list[str]:
 _Strings = Annotated[list[str], BeforeValidator(_one_or_many), AfterValidator(_deduplicated)]
 
 
-class LeafModuleConfig(_Section):
+class LeafModuleConfig(Section):
     """``zero_optimization.leaf_module``: modules made ZeRO-3 leaves (gathered whole, hooked
     once, as ``set_z3_leaf_modules``) when the engine partitions the model: by class (a name or
     a fully qualified name), by name in ``named_modules()``, or by a suffix of that name."""
@@ -400,7 +403,7 @@ class LeafModuleConfig(_Section):
     name_suffixes: _Strings = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
 
 
-class ZeroConfig(_Section):
+class ZeroConfig(Section):
     """``zero_optimization``: the ZeRO stage and its buckets, thresholds and offload.
 
     Sizes count elements. Keys marked as accepted for DeepSpeed compatibility are
@@ -465,7 +468,7 @@ class ZeroConfig(_Section):
 PIPE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(Section):
     """``pipeline``: DeepSpeed's pipeline keys, and which zpipe schedule the engine runs.
 
     Used only when the model is a ``zengine.pipe.PipelineModule``.
@@ -512,14 +515,14 @@ class PipelineConfig(_Section):
         return _choose(value, PIPE_SCHEDULES, "pipeline schedule")
 
 
-class ParallelWriteConfig(_Section):
+class ParallelWriteConfig(Section):
     """``checkpoint.parallel_write``."""
 
     pipeline_stage: Flag = False
     """Each pipeline stage writes its own part of the checkpoint."""
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """``checkpoint``: how checkpoints are tagged, written and loaded."""
 
     tag_validation: Literal["IGNORE", "WARN", "FAIL"] = "WARN"

@@ -6,3 +6,21 @@ _optimizer.py), ``offload_param: nvme`` (ZeRO-3 shards in files while released, 
 section sets (_aio.py), and freed host memory handed back to the system (_host_memory.py). The
 bytes move through zoffload; the tensors moved are the optimizer's and the model's.
 """
+
+from zengine._offload._aio import nvme_offloader
+from zengine._offload._host_memory import IdleTrimmer, trim_heap, zero_releasing_pages
+from zengine._offload._optimizer import NvmeStateSwapper
+from zengine._offload._param import NvmeShardStore
+from zengine._offload._states import StateOffloader, get_state_devices, memory_held
+
+__all__ = [
+    "IdleTrimmer",
+    "NvmeShardStore",
+    "NvmeStateSwapper",
+    "StateOffloader",
+    "get_state_devices",
+    "memory_held",
+    "nvme_offloader",
+    "trim_heap",
+    "zero_releasing_pages",
+]

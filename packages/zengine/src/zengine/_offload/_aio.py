@@ -8,7 +8,7 @@ import logging
 from typing import Literal
 
 import zoffload
-from zengine._config._sections import AioConfig
+from zengine._config import AioConfig
 
 __all__ = ["nvme_offloader"]
 

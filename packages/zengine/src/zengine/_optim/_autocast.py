@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zengine._config._engine_config import EngineConfig
-from zengine._config._errors import ConfigError
+from zengine._config import ConfigError, EngineConfig
 from zengine._optim._loss_scaler import DynamicLossScaler
 
 __all__ = [

@@ -33,7 +33,7 @@ from torch import nn
 
 import zcomm
 import zpartition
-from zengine._offload._param import NvmeShardStore
+from zengine._offload import NvmeShardStore
 from zengine._optim._grad_buckets import GradBuckets
 from zengine._optim._partitions import Partitions
 from zpartition import ZeroParameter

@@ -19,8 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._offload._host_memory import zero_releasing_pages
-from zengine._offload._optimizer import NvmeStateSwapper
+from zengine._offload import NvmeStateSwapper, zero_releasing_pages
 from zengine._optim._deepspeed_views import DeepSpeedViews
 from zengine._optim._layouts import ShardedLayout
 from zengine._optim._partitions import Partitions

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import zcomm
 import zpipe
-from zengine._checkpoint._sync import Sync  # its all-gather of any picklable value
+from zengine._checkpoint import Sync  # its all-gather of any picklable value
 from zengine.pipe._errors import PipelineError
 
 __all__ = ["check_agreement"]

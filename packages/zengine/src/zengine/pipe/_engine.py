@@ -19,7 +19,7 @@ from torch import nn
 import zcomm
 import zpipe
 from zengine import checkpointing
-from zengine._config._sections import PipelineConfig
+from zengine._config import PipelineConfig
 from zengine._engine import Checkpoints, Engine
 from zengine.pipe._agreement import check_agreement
 from zengine.pipe._eager import EagerSends

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import zcomm
-from zengine._config._engine_config import ConfigError, EngineConfig, load_config
+from zengine._config import ConfigError, EngineConfig, load_config
 from zengine._initialize import (
     _loss_scaler,
     _optimizer_factory,
@@ -17,8 +17,7 @@ from zengine._initialize import (
     _prepare_dense,
     _scheduler,
 )
-from zengine._optim._autocast import mark_comm_dtypes
-from zengine._optim._layouts import FlatLayout
+from zengine._optim import FlatLayout, mark_comm_dtypes
 from zengine.pipe._engine import PipelineEngine
 from zengine.pipe._module import PipelineModule
 from zengine.pipe._optimizer import PipeZeroOptimizer

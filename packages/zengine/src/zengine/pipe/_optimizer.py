@@ -17,8 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._optim._layouts import FlatLayout
-from zengine._optim._zero_optimizer import ZeroOptimizer
+from zengine._optim import FlatLayout, ZeroOptimizer
 
 __all__ = ["PipeZeroOptimizer"]
 

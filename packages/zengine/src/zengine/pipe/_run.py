@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 import zpipe
 from zengine._engine import half_floats
-from zengine._optim._autocast import forward_autocast
+from zengine._optim import forward_autocast
 from zengine.pipe._errors import PipelineError, describe
 from zengine.pipe._link import frame_size
 from zengine.pipe._payload import unflatten

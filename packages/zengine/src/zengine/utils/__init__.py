@@ -14,8 +14,7 @@ from typing import Generic, TypeVar
 import torch
 
 import zcomm
-from zengine._optim._partitions import Fragment
-from zengine._optim._zero_optimizer import ZeroOptimizer
+from zengine._optim import Fragment, ZeroOptimizer
 from zengine.utils._logging import log_dist, logger, print_dist, see_memory_usage
 
 __all__ = [

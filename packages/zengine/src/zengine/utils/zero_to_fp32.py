@@ -17,13 +17,13 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from zengine._checkpoint import _files as files
-from zengine._checkpoint._consolidate import (
+from zengine._checkpoint import (
     Entry,
     consolidate_shards,
     contents_of,
     fp32_state_dict,
     read_tensors,
+    resolve,
 )
 
 __all__ = [
@@ -68,7 +68,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
         return fp32_state_dict(
             checkpoint_dir, tag=tag, exclude_frozen_parameters=exclude_frozen_parameters
         )
-    directory = files.resolve(checkpoint_dir, tag)
+    directory = resolve(checkpoint_dir, tag)
     contents = contents_of(directory, exclude_frozen_parameters)
     out: dict[str, torch.Tensor | LazyTensor] = {}
     for entry in contents.entries:
