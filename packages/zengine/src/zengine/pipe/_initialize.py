@@ -9,14 +9,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import zcomm
-from zengine._config import ConfigError, EngineConfig, load_config
-from zengine._initialize import (
-    _loss_scaler,
-    _optimizer_factory,
-    _param_groups,
-    _prepare_dense,
-    _scheduler,
+from zengine._assembly import (
+    make_loss_scaler,
+    make_scheduler,
+    optimizer_factory,
+    param_groups,
+    prepare_dense,
 )
+from zengine._config import ConfigError, EngineConfig, load_config
 from zengine._optim import FlatLayout, mark_comm_dtypes
 from zengine.pipe._engine import PipelineEngine
 from zengine.pipe._module import PipelineModule
@@ -78,15 +78,15 @@ def initialize_pipeline(
     cfg = load_config(config, world_size=grid.get_data_parallel_world_size())
     _check(cfg, model)
     device = torch.device(zcomm.get_accelerator().current_device_name())
-    groups, options = _param_groups(model, optimizer, model_parameters)
-    make_optimizer = _optimizer_factory(optimizer, cfg)
+    groups, options = param_groups(model, optimizer, model_parameters)
+    make_optimizer = optimizer_factory(optimizer, cfg)
     if make_optimizer is None:
         raise ValueError(
             "initialize: no optimizer for the PipelineModule: pass optimizer=... or add an "
             "'optimizer' section to the config (a pipeline engine trains; eval_batch runs on it)"
         )
     mark_comm_dtypes(model, cfg, device)
-    _prepare_dense(model, cfg, dp_group, device)
+    prepare_dense(model, cfg, dp_group, device)
     model.sync_tied_weights()
     # the gradients are reduced at the schedule's ReduceGrads, after the tied weights' own
     layout = FlatLayout(
@@ -104,7 +104,7 @@ def initialize_pipeline(
         layout,
         stage=cfg.zero_stage,
         group=dp_group,
-        loss_scaler=_loss_scaler(cfg, device),
+        loss_scaler=make_loss_scaler(cfg, device),
         clip=float(cfg.gradient_clipping),
         pipe_group=grid.get_pipe_parallel_group(),
         copies=model.tied_copies(),
@@ -112,7 +112,7 @@ def initialize_pipeline(
     for g in groups:
         for p in g:
             p.__dict__["_zengine_optimizer"] = zero  # how the safe_get_* functions find it
-    scheduler = _scheduler(lr_scheduler, zero, cfg)
+    scheduler = make_scheduler(lr_scheduler, zero, cfg)
     engine = PipelineEngine(model, zero, scheduler, config=cfg, device=device)
     return engine, zero, _training_loader(engine, training_data, collate_fn), scheduler
 
