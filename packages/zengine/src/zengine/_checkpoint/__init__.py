@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     )
     from zengine._checkpoint._save_16bit import gathered_state, save_16bit_model
     from zengine._checkpoint._save_load import load_checkpoint, save_checkpoint
+    from zengine._checkpoint._stage_layout import StageLayout
+    from zengine._checkpoint._stages import load_stages, save_stages
 
 __all__ = [
     "DEFAULT_BUDGET",
@@ -48,6 +50,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Entry",
     "SafetensorsWriter",
+    "StageLayout",
     "Sync",
     "consolidate",
     "consolidate_shards",
@@ -56,11 +59,13 @@ __all__ = [
     "gathered_state",
     "load_checkpoint",
     "load_safetensors_into",
+    "load_stages",
     "read_safetensors",
     "read_tensors",
     "resolve",
     "save_16bit_model",
     "save_checkpoint",
+    "save_stages",
 ]
 
 # torch.distributed.checkpoint takes about a second and 50 MiB to import: the modules that import
@@ -77,6 +82,8 @@ _LAZY = {
     ),
     "_save_16bit": ("gathered_state", "save_16bit_model"),
     "_save_load": ("load_checkpoint", "save_checkpoint"),
+    "_stage_layout": ("StageLayout",),
+    "_stages": ("load_stages", "save_stages"),
 }
 _MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
 

@@ -78,7 +78,7 @@ def _listed(kind: str, names: list[str]) -> list[str]:
     return [f"{kind}: {shown}{more}"]
 
 
-def _name_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def name_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Parameters and buffers one side has and the other has not."""
     old, new = saved["params"], now["params"]
     out = _listed("parameters in the checkpoint but not in the model", sorted(old.keys() - new))
@@ -102,7 +102,7 @@ def _trainable_differ(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     )
 
 
-def _param_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def param_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs in the parameters both sides have."""
     old, new = saved["params"], now["params"]
     both = sorted(old.keys() & new.keys())
@@ -122,7 +122,7 @@ def _param_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
-def _optimizer_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def optimizer_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     out = []
     if saved["optimizer"] != now["optimizer"]:
         out.append(f"optimizer: {saved['optimizer']} in the checkpoint, {now['optimizer']} now")
@@ -152,8 +152,8 @@ def check(
             f"{where}: checkpoint format {saved.get('format')!r}, this zengine reads {FORMAT}"
         )
     now = describe(engine)
-    names = _name_differences(saved, now)
-    problems = _param_differences(saved, now)
+    names = name_differences(saved, now)
+    problems = param_differences(saved, now)
     if strict or (optimizer and _trainable_differ(saved, now)):
         problems = names + problems
         if names and strict and saved.get("frozen_excluded"):
@@ -168,7 +168,7 @@ def check(
     elif names:
         log.warning("zengine: %s: loading what both have; %s", where, "; ".join(names))
     if optimizer:
-        problems += _optimizer_differences(saved, now)
+        problems += optimizer_differences(saved, now)
     if problems:
         lines = "\n  ".join(problems)
         raise CheckpointMismatchError(

@@ -48,7 +48,8 @@ log = logging.getLogger("zengine")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
-def _sync(engine: Any) -> Sync:
+def engine_sync(engine: Any) -> Sync:
+    """The agreement of the engine's data-parallel group, within the config's timeout."""
     return Sync(engine.group, engine.config.checkpoint.timeout)
 
 
@@ -89,7 +90,7 @@ def save_checkpoint(
     """Save everything training needs to resume exactly; every rank must call it. With
     `exclude_frozen_parameters` the frozen parameters are left out (DeepSpeed's: a PEFT
     adapter's checkpoint without the base model), to be loaded with ``load_module_strict=False``."""
-    sync = _sync(engine)
+    sync = engine_sync(engine)
     sync.arrive("save_checkpoint")
     engine.optimizer.resident()  # offloaded to NVMe (offload_optimizer/param): read it back
     tag = _agreed_tag(
@@ -199,7 +200,7 @@ def load_checkpoint(
     forward_only = engine.optimizer is None
     if load_module_only or forward_only:
         load_optimizer_states = False
-    sync = _sync(engine)
+    sync = engine_sync(engine)
     sync.arrive("load_checkpoint")
     if not forward_only:
         engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
@@ -223,7 +224,7 @@ def load_checkpoint(
         error = exc
     sync.agree("load_checkpoint", error)  # every rank sees the same files, or none goes on
     if verify:
-        _verify(sync, directory, manifest)
+        verify_files(sync, directory, manifest)
     log.info("zengine: loading checkpoint %s", directory)
     loaded = _read(engine, sync, directory, manifest, load_optimizer_states)
     if forward_only:
@@ -243,7 +244,7 @@ def load_checkpoint(
     return str(directory), client
 
 
-def _verify(sync: Sync, directory: Path, manifest: dict[str, Any]) -> None:
+def verify_files(sync: Sync, directory: Path, manifest: dict[str, Any]) -> None:
     """Every file against its checksum, each rank checking its share of the files."""
     names = sorted(manifest["files"])
     error = None

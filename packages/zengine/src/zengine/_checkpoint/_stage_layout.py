@@ -1,12 +1,12 @@
-"""Which stage of a pipeline checkpoint holds which parameters, and whether they fit a module.
+"""Which stage of a pipeline checkpoint holds which parameters, and whether they fit a pipeline.
 
 A pipeline checkpoint is one engine checkpoint per stage (``stage<s>/<tag>``), each keyed by
-parameter name. `PipelineModule` registers a layer under its *global* index (``"3.up.weight"``)
-and a tied layer under its key (``"tied_modules.embed.weight"``), so a name means the same
-parameter whatever stage held it: the manifests of the stages say where every name lies, and
-a module of another partition or stage count finds each of its names in one old stage. What
-the manifests do not say, the number of stages, lies in ``pipeline-<tag>.json`` next to
-``latest``.
+parameter name. zengine's `PipelineModule` registers a layer under its *global* index
+(``"3.up.weight"``) and a tied layer under its key (``"tied_modules.embed.weight"``), so a name
+means the same parameter whatever stage held it: the manifests of the stages say where every
+name lies, and a module of another partition or stage count finds each of its names in one old
+stage. What the manifests do not say, the number of stages, lies in ``pipeline-<tag>.json``
+next to ``latest`` (a `StageLayout`, which the pipeline makes of its module).
 """
 
 from __future__ import annotations
@@ -21,19 +21,16 @@ from zengine._checkpoint import _files as files
 from zengine._checkpoint._errors import CorruptCheckpointError
 from zengine._checkpoint._manifest import (
     FORMAT,
-    _name_differences,
-    _optimizer_differences,
-    _param_differences,
     describe,
+    name_differences,
+    optimizer_differences,
+    param_differences,
 )
-from zengine.pipe._module import PipelineModule
-from zengine.pipe._specs import TiedLayerSpec
 
 __all__ = [
-    "Layout",
+    "StageLayout",
     "layout_path",
     "mismatches",
-    "module_layout",
     "names",
     "owners",
     "read_layout",
@@ -55,7 +52,7 @@ def layout_path(root: Path, tag: str) -> Path:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class StageLayout:
     """How the saved pipeline was split: the stage count is what a load needs (to find the
     stage directories), the layer count is checked, the rest is said in errors and logs."""
 
@@ -65,16 +62,12 @@ class Layout:
     parts: list[int]
 
 
-def module_layout(module: PipelineModule) -> Layout:
-    return Layout(module.num_stages, len(module._layer_specs), module.chunks, list(module.parts))
-
-
-def write_layout(root: Path, tag: str, layout: Layout) -> None:
+def write_layout(root: Path, tag: str, layout: StageLayout) -> None:
     record = {"format": LAYOUT_FORMAT, "tag": tag, **dataclasses.asdict(layout)}
     files.write_atomic(layout_path(root, tag), json.dumps(record, indent=1).encode())
 
 
-def read_layout(root: Path, tag: str) -> Layout | None:
+def read_layout(root: Path, tag: str) -> StageLayout | None:
     """The layout saved with `tag`; None for a checkpoint saved without one (before zengine
     wrote it, or when writing it failed): each stage then loads its own directory."""
     path = layout_path(root, tag)
@@ -84,7 +77,7 @@ def read_layout(root: Path, tag: str) -> Layout | None:
             raise CorruptCheckpointError(
                 f"{path}: format {record.get('format')!r}, this zengine reads {LAYOUT_FORMAT}"
             )
-        return Layout(
+        return StageLayout(
             int(record["stages"]), int(record["layers"]), int(record["chunks"]), record["parts"]
         )
     except FileNotFoundError:
@@ -125,26 +118,6 @@ def _merged(descriptions: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _labeller(module: PipelineModule) -> Callable[[str], str]:
-    """``name -> "name (layer i)"``: errors name the layer a parameter belongs to."""
-    tied: dict[str, list[int]] = {}
-    for index, spec in enumerate(module._layer_specs):
-        if isinstance(spec, TiedLayerSpec):
-            tied.setdefault(spec.key, []).append(index)
-
-    def label(name: str) -> str:
-        head, _, rest = name.partition(".")
-        if head.isdigit():
-            return f"{name} (layer {head})"
-        if head == "tied_modules":
-            key = rest.partition(".")[0]
-            where = ", ".join(map(str, tied.get(key, []))) or "none in the model"
-            return f"{name} (tied {key!r}, layers {where})"
-        return name
-
-    return label
-
-
 def _labelled(description: dict[str, Any], label: Callable[[str], str]) -> dict[str, Any]:
     return {
         **description,
@@ -154,16 +127,18 @@ def _labelled(description: dict[str, Any], label: Callable[[str], str]) -> dict[
 
 
 def mismatches(
-    layout: Layout,
+    layout: StageLayout,
     saved: list[dict[str, Any]],
     now: list[dict[str, Any]],
-    module: PipelineModule,
     *,
+    layers: int,
+    label: Callable[[str], str],
     optimizer: bool,
 ) -> list[str]:
     """Every difference between the checkpoint (its layout and its stages' manifests) and the
-    module (its stages' descriptions), each naming the layer and the parameter; empty when
-    the checkpoint loads into the module whatever the partitions."""
+    pipeline (its `layers` and its stages' descriptions), each parameter named as `label` names
+    it (with its layer); empty when the checkpoint loads into the pipeline whatever the
+    partitions."""
     problems = [
         f"stage {s}: checkpoint format {m.get('format')!r}, this zengine reads {FORMAT}"
         for s, m in enumerate(saved)
@@ -171,15 +146,13 @@ def mismatches(
     ]
     if problems:
         return problems
-    layers = len(module._layer_specs)
     if layout.layers != layers:
         problems.append(f"layers: {layout.layers} in the checkpoint, {layers} in the model")
     # the manifest's own comparisons, on names that say their layer
-    label = _labeller(module)
     old, new = _labelled(_merged(saved), label), _labelled(_merged(now), label)
-    problems += _name_differences(old, new) + _param_differences(old, new)
+    problems += name_differences(old, new) + param_differences(old, new)
     if optimizer:
-        problems += _optimizer_differences(old, new)
+        problems += optimizer_differences(old, new)
     return problems
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zengine._checkpoint._save_load import _sync, _verify, read_entries
+from zengine._checkpoint._save_load import engine_sync, read_entries, verify_files
 from zengine._checkpoint._stage_layout import owners, stage_dir
 from zengine._checkpoint._state import (
     ENGINE,
@@ -98,12 +98,12 @@ def load_stage(
     """Load this stage from the old stages in `src`; ``(path, client_state)`` as
     ``engine.load_checkpoint`` returns, the path the primary's directory. Without `verify`
     the caller has checked the files' CRCs already."""
-    sync = _sync(engine)
+    sync = engine_sync(engine)
     sync.arrive("load_checkpoint")
     engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
     start = time.perf_counter()
     for s in sorted(src.take) if verify else ():  # every file read is checked first
-        _verify(sync, src.directories[s], src.manifests[s])
+        verify_files(sync, src.directories[s], src.manifests[s])
     rank = sync.rank % int(src.manifests[src.primary]["world_size"])
     extras = [ENGINE, rank_key(rank, "rng"), rank_key(rank, "client_state")]
     if optimizer:

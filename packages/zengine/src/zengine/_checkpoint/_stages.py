@@ -1,10 +1,12 @@
-"""Checkpoints of a pipeline: each stage a checkpoint of its own, one ``latest`` for all; a
-load into any number of stages, any partition of the same layers, any data-parallel size.
+"""Checkpoints of a pipeline in stages: each stage a checkpoint of its own, one ``latest`` for
+all; a load into any number of stages, any partition of the same layers, any data-parallel size.
+The pipeline engine's save and load (zengine/pipe/_checkpoint.py) are these, given what the
+checkpoint records of the `PipelineModule`: its `StageLayout`, and its layers' names in errors.
 
 The format, under ``save_dir``:
 
 - ``stage<s>/<tag>/``: stage s's layers (and its data-parallel replicas' shards), saved as
-  zengine saves any engine (`zengine._checkpoint._save_load`: DCP files keyed by parameter name, a
+  zengine saves any engine (_save_load.py: DCP files keyed by parameter name, a
   manifest ``zengine.json`` listing every parameter and buffer with its shape, CRCs), without
   a ``latest`` of its own. A `PipelineModule` names a layer's parameters by the layer's global
   index (``3.up.weight``) and a tied layer's by its key (``tied_modules.embed.weight``, saved by
@@ -36,17 +38,24 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
 import zcomm
 from zengine._checkpoint import _files as files
+from zengine._checkpoint import _stage_reshape as reshape
 from zengine._checkpoint._errors import CheckpointError, CheckpointMismatchError
+from zengine._checkpoint._save_load import (
+    engine_sync,
+    load_checkpoint,
+    save_checkpoint,
+    verify_files,
+)
 from zengine._checkpoint._stage_layout import (
+    StageLayout,
     layout_path,
     mismatches,
-    module_layout,
     names,
     read_layout,
     read_manifests,
@@ -54,12 +63,10 @@ from zengine._checkpoint._stage_layout import (
     stage_dir,
     write_layout,
 )
+from zengine._checkpoint._stage_reshape import Sources
 from zengine._checkpoint._sync import Sync
 
-if TYPE_CHECKING:  # imported where used: it imports torch.distributed.checkpoint
-    from zengine._checkpoint._stage_reshape import Sources
-
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["load_stages", "save_stages"]
 
 T = TypeVar("T")
 
@@ -97,23 +104,22 @@ def _on_every_stage(engine: Any, work: Callable[[], T], elsewhere: Callable[[lis
     return cast(T, result)
 
 
-def save_checkpoint(
+def save_stages(
     engine: Any,
     save_dir: str | os.PathLike[str],
     tag: str | None,
     client_state: dict[str, Any] | None,
     save_latest: bool,
     exclude_frozen_parameters: bool = False,
+    *,
+    layout: StageLayout,
 ) -> bool:
-    from zengine._checkpoint import (
-        _save_load as _checkpoint,  # torch.distributed.checkpoint: a second to import
-    )
-
+    """``engine.save_checkpoint`` of a pipeline engine whose module is laid out as `layout`."""
     root = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _on_every_stage(
         engine,
-        lambda: _checkpoint.save_checkpoint(
+        lambda: save_checkpoint(
             engine,
             stage_dir(root, engine.stage_id),
             tag,
@@ -129,7 +135,7 @@ def save_checkpoint(
     problem = None
     if zcomm.get_rank() == 0:
         try:
-            write_layout(root, tag, module_layout(engine.module))
+            write_layout(root, tag, layout)
             if save_latest:
                 files.write_atomic(root / files.LATEST, tag.encode())
         except OSError as exc:
@@ -143,21 +149,20 @@ def save_checkpoint(
     return True
 
 
-def load_checkpoint(
+def load_stages(
     engine: Any,
     load_dir: str | os.PathLike[str],
     tag: str | None,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     *,
+    layout: StageLayout,
+    label: Callable[[str], str],
     load_module_strict: bool = True,
     load_module_only: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    from zengine._checkpoint import (
-        _save_load as _checkpoint,  # torch.distributed.checkpoint: a second to import
-    )
-    from zengine._checkpoint import _stage_reshape as reshape
-
+    """``engine.load_checkpoint`` of a pipeline engine whose module is laid out as `layout`;
+    `label` names a parameter in errors as the module knows it (with its layer)."""
     root = Path(load_dir)
     if tag is None:
         tag = files.read_latest(root)
@@ -165,7 +170,7 @@ def load_checkpoint(
             log.warning("zengine: no '%s' file in %s: no checkpoint loaded", files.LATEST, root)
             return None, None
     where = f"load_checkpoint({str(root)!r}, tag={tag!r})"
-    sources = _sources(engine, root, tag, load_optimizer_states, where)
+    sources = _sources(engine, root, tag, load_optimizer_states, where, layout, label)
     if sources is not None and (load_module_only or not load_module_strict):
         raise CheckpointError(  # the same files on every stage: each raises it alike
             f"{where}: the checkpoint was saved with other stage boundaries; it loads with "
@@ -182,7 +187,7 @@ def load_checkpoint(
 
     def load() -> tuple[str | None, dict[str, Any] | None]:
         if sources is None:
-            return _checkpoint.load_checkpoint(
+            return load_checkpoint(
                 engine,
                 stage_dir(root, engine.stage_id),
                 tag,
@@ -210,12 +215,10 @@ def load_checkpoint(
 def _verify_stage(engine: Any, root: Path, tag: str, sources: Sources | None) -> None:
     """Every file this stage will read against its CRC: its own directory (`sources` None)
     or its old stages'. Collective over the stage's data-parallel ranks."""
-    from zengine._checkpoint._save_load import _sync, _verify
-
-    sync = _sync(engine)
+    sync = engine_sync(engine)
     if sources is not None:
         for s in sorted(sources.take):
-            _verify(sync, sources.directories[s], sources.manifests[s])
+            verify_files(sync, sources.directories[s], sources.manifests[s])
         return
     directory, manifest, error = root, {}, None
     try:
@@ -224,15 +227,22 @@ def _verify_stage(engine: Any, root: Path, tag: str, sources: Sources | None) ->
     except CheckpointError as exc:
         error = exc
     sync.agree(f"load_checkpoint({str(directory)!r})", error)
-    _verify(sync, directory, manifest)
+    verify_files(sync, directory, manifest)
 
 
-def _sources(engine: Any, root: Path, tag: str, optimizer: bool, where: str) -> Sources | None:
+def _sources(
+    engine: Any,
+    root: Path,
+    tag: str,
+    optimizer: bool,
+    where: str,
+    current: StageLayout,
+    label: Callable[[str], str],
+) -> Sources | None:
     """Where this stage loads from: None for its own saved directory (it holds exactly this
     stage's names, or the checkpoint has no layout), else the old stages to read. Collective
-    over the world; raises alike on every rank when the checkpoint does not fit the module."""
-    from zengine._checkpoint import _stage_reshape as reshape
-
+    over the world; raises alike on every rank when the checkpoint does not fit the module
+    (laid out as `current`)."""
     world = _world(engine)
     layout, saved, error = None, [], None
     try:
@@ -250,7 +260,9 @@ def _sources(engine: Any, root: Path, tag: str, optimizer: bool, where: str) -> 
     pipe = Sync(engine.grid.get_pipe_parallel_group(), engine.config.checkpoint.timeout)
     now = sorted(pipe.gather(mine), key=lambda d: int(d["stage"]))
     # the same descriptions and files on every rank: every rank raises alike
-    problems = mismatches(layout, saved, now, engine.module, optimizer=optimizer)
+    problems = mismatches(
+        layout, saved, now, layers=current.layers, label=label, optimizer=optimizer
+    )
     if problems:
         lines = "\n  ".join(problems)
         raise CheckpointMismatchError(

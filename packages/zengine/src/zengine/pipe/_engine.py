@@ -149,8 +149,8 @@ class PipelineEngine(Engine):
         return module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
 
     def _checkpoints(self) -> Checkpoints:
-        """One checkpoint per stage under one 'latest' (_checkpoint/_stages.py)."""
-        from zengine._checkpoint import _stages as _checkpoint
+        """One checkpoint per stage under one 'latest' (pipe/_checkpoint.py)."""
+        from zengine.pipe import _checkpoint
 
         return _checkpoint
 
