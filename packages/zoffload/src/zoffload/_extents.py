@@ -176,17 +176,19 @@ def find_zero_runs(slot: Slot) -> list[tuple[int, int]]:
     Reading pages that were handed back maps the shared zero page: nothing becomes resident."""
     if slot.device.type != "cpu" or slot.nbytes < ZERO_BLOCK:
         return []
-    data = byte_view(slot.storage, slot.nbytes)
     whole = slot.nbytes // ZERO_BLOCK
-    address = data.data_ptr()
+    address = slot.storage.data_ptr()
     if address % 8:  # not torch's allocation (it aligns to 64): no word reads, every block
         maybe = list(range(whole))
-    elif whole <= _PEEK_BLOCKS:
+    elif whole <= _PEEK_BLOCKS:  # most storages: a few reads from Python, no tensor at all
         peek = ctypes.c_uint64.from_address
         maybe = [k for k in range(whole) if peek(address + k * ZERO_BLOCK).value == 0]
     else:
-        heads = data[: whole * ZERO_BLOCK].view(whole, ZERO_BLOCK)[:, :8]
+        heads = byte_view(slot.storage, whole * ZERO_BLOCK).view(whole, ZERO_BLOCK)[:, :8]
         maybe = heads.view(torch.int64).flatten().eq(0).nonzero().flatten().tolist()
+    if not maybe:
+        return []
+    data = byte_view(slot.storage, slot.nbytes)
     runs: list[tuple[int, int]] = []
     for first, last in _spans(maybe):
         # In windows: zero_runs' temporaries are an eighth of what it looks at, and a window
