@@ -9,9 +9,9 @@ and every chunk is cut, in file order, into extents of three kinds:
   buffer's address aligned to the device's memory alignment and its file offset and size to
   the offset alignment (an `Alignment`, from ``statx``): a storage qualifies when its address
   and its layout offset are equal modulo the memory alignment (always, where that is a few
-  bytes, as on NVMe drives; by [Note: direct placement] in ``_layout`` where it is 512 or a
-  page), and then its interior from the first to the last aligned byte moves in place, in
-  pieces of at least ``_MIN_DIRECT`` bytes. Buffered I/O has no such rules;
+  bytes, as NVMe drives usually report; by [Note: direct placement] in ``_layout`` where it
+  is 512 or a page), and then its interior from the first to the last aligned byte moves in
+  place, in pieces of at least ``_MIN_DIRECT`` bytes. Buffered I/O has no such rules;
 - staged: bytes of a storage, copied between it and the chunk's page-aligned staging buffer
   (pinned where a GPU is involved), at the same place in the buffer as in the chunk: GPU
   storages, small ones, the unaligned head and tail of large host ones, and host storages

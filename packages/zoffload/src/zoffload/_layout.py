@@ -17,9 +17,11 @@ bytes, not to pages (a large one typically starts 64 bytes into a page). So a la
 storage is placed ``address % alignment`` bytes after a boundary: its page-aligned interior
 then lies on the file's blocks, and the NVMe I/O reads and writes it in place, with only its
 unaligned head and tail going through a staging buffer (see [Note: extents] in ``_extents``).
-The address is the one at offload; the storage's memory at reload is a new allocation, whose
-offset in its page is the same in practice (the same allocator serving the same size). Where
-it is not, that storage goes through staging: slower, never wrong.
+The address is the one at offload; the storage's memory at reload is a new allocation. glibc
+maps every block of 32 MiB or more afresh, at the same offset in its page each time; smaller
+ones may come from its heap once a larger block was freed, anywhere. A storage whose new
+address does not line up goes through staging: slower, never wrong (and drives that need
+only a few bytes of alignment, as NVMe drives usually report, line up whatever the address).
 """
 
 from __future__ import annotations
