@@ -41,7 +41,9 @@ _madvise_call = _madvise()
 
 def zero_runs(data: torch.Tensor, block: int = ZERO_BLOCK) -> list[tuple[int, int]]:
     """The byte ranges ``[start, stop)`` of ``data`` (flat ``uint8``, on the host) made of
-    whole ``block``-byte blocks that are all zeros, merged; one vectorised pass, no copy."""
+    whole ``block``-byte blocks that are all zeros, merged; one vectorised pass. torch's
+    ``any`` makes a temporary of an eighth of ``data``'s size: scan a large storage in windows
+    (``_extents.find_zero_runs`` does)."""
     if data.device.type != "cpu" or data.dim() != 1 or data.dtype != torch.uint8:
         raise ValueError("zero_runs needs a flat uint8 tensor on the host")
     whole = data.numel() // block
