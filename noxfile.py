@@ -100,7 +100,7 @@ def tests_gpu(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff, and the import-boundary contracts of DESIGN.md and of zengine's layers and
+    """ruff, and the import-boundary contracts of ARCHITECTURE.md and of zengine's layers and
     subpackages (import-linter; 2.17 brought the private_modules contract)."""
     session.install("ruff>=0.6", "import-linter>=2.17")
     session.run("ruff", "check", str(ROOT))
