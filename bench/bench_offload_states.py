@@ -190,14 +190,8 @@ def main() -> None:
             + per_rank("{:.1f}", lambda r: r["cycles"][0]["freed"])
             + " | "
             + per_rank("{:.0%}", lambda r: r["cycles"][0]["freed"] / max(r["resident"], 1e-9))
-            + ", "
-            + per_rank(
-                "{:.0%}",
-                lambda r: (
-                    statistics.median(c["freed"] for c in r["cycles"][1:])
-                    / max(r["resident"], 1e-9)
-                ),
-            )
+            + " | "
+            + per_rank("{:.1f}", lambda r: statistics.median(c["freed"] for c in r["cycles"][1:]))
             + " | "
             + per_rank("{:+.1f}", lambda r: r["cycles"][0]["after_vs_before"])
             + ", "
