@@ -32,7 +32,11 @@ class TestRanksRunTheMethod(DistributedTest):
         assert t.item() == size * (size - 1) / 2
 
     def test_fixtures_reach_the_ranks(self, tmp_path: Path) -> None:
+        # every rank gets the same fixture value: the one directory, which each writes into
         (tmp_path / f"rank{zcomm.get_rank()}").write_text("here")
+        zcomm.barrier()
+        size = zcomm.get_world_size()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"rank{i}" for i in range(size))
 
     def test_each_test_starts_from_torchs_default_seed(self) -> None:
         # As in a fresh process: every rank draws the same numbers, whatever ran before.

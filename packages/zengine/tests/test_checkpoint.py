@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +65,29 @@ def train(engine: zengine.Engine, data: list[torch.Tensor]) -> list[float]:
     return losses
 
 
-def resume_matches(stage: int, tmp_path: Path, frozen: bool = False, **extra: Any) -> None:
+def resume_matches(
+    stage: int,
+    tmp_path: Path,
+    frozen: bool = False,
+    before_save: Callable[[zengine.Engine], None] | None = None,
+    after_load: Callable[[zengine.Engine], None] | None = None,
+    **extra: Any,
+) -> None:
+    """Train, save, train on; a fresh engine loads and trains the same steps bit-identically.
+    `before_save` and `after_load` see the two engines at the checkpoint."""
     world = zcomm.get_world_size()
     data = global_batches(2 * STEPS, 2 * world)
     engine = engine_for(stage, frozen=frozen, **extra)
     train(engine, data[:STEPS])
+    if before_save is not None:
+        before_save(engine)
     engine.save_checkpoint(tmp_path, client_state={"position": STEPS, "rank": zcomm.get_rank()})
     straight = train(engine, data[STEPS:])
     # other initial weights: all must come from the file
     resumed = engine_for(stage, seed=1, frozen=frozen, **extra)
     path, client = resumed.load_checkpoint(tmp_path)
+    if after_load is not None:
+        after_load(resumed)
     assert path == str(tmp_path / f"global_step{STEPS}")
     assert client == {"position": STEPS, "rank": zcomm.get_rank()}
     assert resumed.global_steps == STEPS
@@ -212,7 +226,28 @@ class TestResume(DistributedTest):
         resume_matches(3, tmp_path, bf16={"enabled": True})
 
     def test_resume_fp16_keeps_loss_scale(self, tmp_path: Path) -> None:
-        resume_matches(2, tmp_path, fp16={"enabled": True, "initial_scale_power": 8})
+        # a window of one clean step: the scale doubles at every step, so a scaler that a load
+        # left at its initial state would differ from the saved one
+        fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1}
+        saved: dict[str, Any] = {}
+
+        def scaler(engine: zengine.Engine) -> dict[str, Any]:
+            assert engine.optimizer is not None
+            assert engine.optimizer.loss_scaler is not None
+            return engine.optimizer.loss_scaler.state_dict()
+
+        def same_scaler(engine: zengine.Engine) -> None:
+            assert scaler(engine) == saved  # scale and counters, before any step
+
+        resume_matches(
+            2,
+            tmp_path,
+            fp16=fp16,
+            before_save=lambda e: saved.update(scaler(e)),
+            after_load=same_scaler,
+        )
+        assert saved["cur_scale"] == 2.0 ** (8 + STEPS), saved  # changed by the steps
+        assert saved["cur_iter"] == STEPS, saved
 
     def test_layout_is_by_name_and_latest_last(self, tmp_path: Path) -> None:
         engine = engine_for(3)
