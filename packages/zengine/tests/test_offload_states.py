@@ -308,3 +308,23 @@ class TestOffloadStates(DistributedTest):
         assert zengine.get_state_devices(engine, state) == {torch.device("cpu")}
         assert buffer.untyped_storage().nbytes() > 0
         assert first + _steps(engine, 2, data) == expected
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_memory_held_by_a_forward_only_engine(self, world_size: int) -> None:
+        """An engine without an optimizer (a model served at ZeRO-3) holds its shards only."""
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
+        engine, *_ = zengine.initialize(model=model, config=config)
+        with torch.no_grad():
+            engine(torch.randn(2, 256))
+        held = engine.memory_held()
+        shards = {
+            u.shard.untyped_storage()._cdata: u.shard.nbytes for u in engine.partitioned.units
+        }
+        assert held["lp_params"] == held["total"] == {"cpu": sum(shards.values())}
+        assert sum(shards.values()) >= 4 * 256 * 257 * 4 // world_size
+        assert all(held[s.value] == {} for s in STATES if s.value != "lp_params")

@@ -58,6 +58,10 @@ TOTAL = "total"  # memory_held's name for every storage once
 
 def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.Tensor]:
     """The tensors the engine holds for `state`, by name (empty tensors left out)."""
+    if engine.optimizer is None:  # forward passes only: the parameters are all it holds
+        if state is not OffloadStateTypeEnum.lp_params:
+            return {}
+        return {f"lp.{i}": t for i, t in enumerate(_lp_params(engine)) if t.numel() > 0}
     optimizer = engine.optimizer.resident()  # not on NVMe behind offload_optimizer's back
     parts = optimizer.partitions
     found: dict[str, torch.Tensor] = {}
@@ -93,6 +97,8 @@ def _lp_params(engine: Any) -> list[torch.Tensor]:
     """The compute-dtype parameters: shards (and gathered persistent ones) at stage 3, the
     flat parameter buffers at stages 0-2."""
     if engine.partitioned is None:
+        if engine.optimizer is None:
+            return [p.data for p in engine.module.parameters()]
         return list(engine.optimizer.layout.flats)
     tensors = []
     for unit in engine.partitioned.units:
