@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 import zcomm
 import zpartition
+from zengine._config import EngineConfig
 from zengine._errors import UsageError
 from zengine._offload import IdleTrimmer, StateOffloader, memory_held, nvme_offloader, trim_heap
 from zengine._optim import ZeroOptimizer, autocast_dtype, forward_autocast
@@ -39,33 +40,6 @@ def half_floats(inputs: Any) -> Any:
     )
 
 
-class Checkpoints(Protocol):
-    """What saves and loads an engine's checkpoints: the `zengine._checkpoint` package, or the
-    pipeline's (`zengine.pipe._checkpoint`)."""
-
-    def save_checkpoint(
-        self,
-        engine: Any,
-        save_dir: str | os.PathLike[str],
-        tag: str | None,
-        client_state: dict[str, Any] | None,
-        save_latest: bool,
-        exclude_frozen_parameters: bool,
-    ) -> bool: ...
-
-    def load_checkpoint(
-        self,
-        engine: Any,
-        load_dir: str | os.PathLike[str],
-        tag: str | None,
-        load_optimizer_states: bool,
-        load_lr_scheduler_states: bool,
-        *,
-        load_module_strict: bool,
-        load_module_only: bool,
-    ) -> tuple[str | None, dict[str, Any] | None]: ...
-
-
 class Engine(nn.Module):
     """What `zengine.initialize` returns first. Call it like the model."""
 
@@ -78,7 +52,7 @@ class Engine(nn.Module):
         optimizer: ZeroOptimizer | None,
         lr_scheduler: Any,
         *,
-        config: Any,
+        config: EngineConfig,
         device: torch.device,
         partitioned: zpartition.Partitioned | None,
         group: dist.ProcessGroup | None = None,
@@ -503,11 +477,43 @@ class Engine(nn.Module):
     # -- checkpoints (the _checkpoint subpackage) --------------------------------------------
     # Its modules that import torch.distributed.checkpoint (about a second) load at first use.
 
-    def _checkpoints(self) -> Checkpoints:
-        """What saves and loads this engine's checkpoints (the pipeline engine has its own)."""
+    def _write_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None,
+        client_state: dict[str, Any] | None,
+        save_latest: bool,
+        exclude_frozen: bool,
+    ) -> bool:
+        """One directory per tag (the pipeline engine writes one per stage under it)."""
         from zengine import _checkpoint
 
-        return _checkpoint
+        return _checkpoint.save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen
+        )
+
+    def _read_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None,
+        load_optimizer_states: bool,
+        load_lr_scheduler_states: bool,
+        *,
+        load_module_strict: bool,
+        load_module_only: bool,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """The reader of `_write_checkpoint`'s files."""
+        from zengine import _checkpoint
+
+        return _checkpoint.load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_strict=load_module_strict,
+            load_module_only=load_module_only,
+        )
 
     def save_checkpoint(
         self,
@@ -523,8 +529,8 @@ class Engine(nn.Module):
         ``load_module_strict=False``). Collective."""
         self._trainer("save_checkpoint()")
         self._offloaded.require(self, "save_checkpoint()", OffloadStateTypeEnum)
-        return self._checkpoints().save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        return self._write_checkpoint(
+            save_dir, tag, client_state, save_latest, exclude_frozen_parameters
         )
 
     def load_checkpoint(
@@ -543,8 +549,7 @@ class Engine(nn.Module):
         ``load_module_only=True`` loads the weights alone; so does an engine without an
         optimizer (forward passes only: a trained model served at ZeRO-3). Collective."""
         self._offloaded.require(self, "load_checkpoint()", OffloadStateTypeEnum)
-        return self._checkpoints().load_checkpoint(
-            self,
+        return self._read_checkpoint(
             load_dir,
             tag,
             load_optimizer_states,
@@ -591,9 +596,7 @@ class Engine(nn.Module):
             self.partitioned.remove(gather=False)
             self.partitioned = None
         if self.optimizer is not None:
-            buckets = getattr(self.optimizer.layout, "buckets", None)  # stages 0-2
-            if buckets is not None:
-                buckets.remove()
+            self.optimizer.layout.remove()
             self.optimizer.destroy()
         if self._unused is not None:
             self._unused.remove()

@@ -31,7 +31,7 @@ from zengine._assembly import (
     stage3_layout,
     swap_to_nvme,
 )
-from zengine._config import EngineConfig, load_config
+from zengine._config import ConfigSource, EngineConfig, load_config
 from zengine._engine import Engine
 from zengine._errors import MissingArgumentError
 from zengine._optim import FlatLayout, ShardedLayout, ZeroOptimizer, mark_comm_dtypes
@@ -50,8 +50,8 @@ def initialize(
     mpu: Any = None,
     dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
-    config: Any = None,
-    config_params: Any = None,
+    config: ConfigSource = None,
+    config_params: ConfigSource = None,
 ) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
     """Build the engine: ``engine, optimizer, dataloader, lr_scheduler = initialize(...)``.
 

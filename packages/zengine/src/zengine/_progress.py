@@ -14,11 +14,15 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 import zcomm
+
+if TYPE_CHECKING:
+    from zengine._config import EngineConfig
+    from zengine._engine import Engine
 
 __all__ = ["Progress", "peak_memory_bytes"]
 
@@ -46,7 +50,7 @@ def peak_memory_bytes() -> int:
 class Progress:
     """Timers and the progress line of one engine."""
 
-    def __init__(self, engine: Any, config: Any) -> None:
+    def __init__(self, engine: Engine, config: EngineConfig) -> None:
         self.engine = engine
         self.every: int | float = config.steps_per_print  # inf: never
         self.breakdown = bool(config.wall_clock_breakdown)
@@ -91,7 +95,7 @@ class Progress:
                 engine.global_steps,
                 loss,
                 lr,
-                engine.optimizer.cur_scale,
+                engine.optimizer.cur_scale if engine.optimizer is not None else 1.0,
                 rate,
                 peak_memory_bytes() / 2**20,
             )

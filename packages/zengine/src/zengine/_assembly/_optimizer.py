@@ -15,7 +15,7 @@ from zengine._assembly._refusals import check_offloaded_optimizer, checked_optim
 from zengine._config import EngineConfig
 from zengine._optim import (
     DynamicLossScaler,
-    LossScaler,
+    LossScalerBase,
     StaticLossScaler,
     ZeroOptimizer,
     autocast_loss_scaler,
@@ -129,7 +129,7 @@ def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> 
     return optimizer
 
 
-def make_loss_scaler(cfg: EngineConfig, device: torch.device) -> LossScaler | None:
+def make_loss_scaler(cfg: EngineConfig, device: torch.device) -> LossScalerBase | None:
     if not cfg.fp16_enabled:
         return autocast_loss_scaler(cfg, device)  # fp16 autocast has one too
     fp16 = cfg.fp16

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -36,10 +36,14 @@ from zengine._checkpoint._state import (
     model_entries,
     optimizer_destinations,
     optimizer_entries,
+    optimizer_of,
     rank_key,
     rng_state,
 )
 from zengine._checkpoint._sync import Sync
+
+if TYPE_CHECKING:
+    from zengine._engine import Engine
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -48,7 +52,7 @@ log = logging.getLogger("zengine")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
-def engine_sync(engine: Any) -> Sync:
+def engine_sync(engine: Engine) -> Sync:
     """The agreement of the engine's data-parallel group, within the config's timeout."""
     return Sync(engine.group, engine.config.checkpoint.timeout)
 
@@ -58,7 +62,7 @@ def _failures(error: CheckpointException) -> str:
     return "; ".join(f"{type(e).__name__}: {e}" for e, _ in error.failures.values())
 
 
-def _agreed_tag(engine: Any, sync: Sync, tag: str) -> str:
+def _agreed_tag(engine: Engine, sync: Sync, tag: str) -> str:
     """The tag every rank saves under: rank 0's. Every rank sees every rank's tag, so they all
     raise alike (a name that is no directory name; different tags with ``tag_validation``
     FAIL) or go on alike."""
@@ -80,7 +84,7 @@ def _agreed_tag(engine: Any, sync: Sync, tag: str) -> str:
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: Engine,
     save_dir: str | os.PathLike[str],
     tag: str | None = None,
     client_state: dict[str, Any] | None = None,
@@ -92,7 +96,7 @@ def save_checkpoint(
     adapter's checkpoint without the base model), to be loaded with ``load_module_strict=False``."""
     sync = engine_sync(engine)
     sync.arrive("save_checkpoint")
-    engine.optimizer.resident()  # offloaded to NVMe (offload_optimizer/param): read it back
+    optimizer_of(engine).resident()  # offloaded to NVMe (offload_optimizer/param): read it back
     tag = _agreed_tag(
         engine, sync, str(tag) if tag is not None else f"global_step{engine.global_steps}"
     )
@@ -130,7 +134,7 @@ def save_checkpoint(
 
 
 def _write(
-    engine: Any,
+    engine: Engine,
     sync: Sync,
     partial: Path,
     final: Path,
@@ -162,7 +166,7 @@ def _write(
 
 
 def _finish(
-    engine: Any,
+    engine: Engine,
     partial: Path,
     final: Path,
     written: dict[str, Any],
@@ -180,7 +184,7 @@ def _finish(
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: Engine,
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     load_optimizer_states: bool = True,
@@ -203,7 +207,7 @@ def load_checkpoint(
     sync = engine_sync(engine)
     sync.arrive("load_checkpoint")
     if not forward_only:
-        engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
+        optimizer_of(engine).resident()  # the tensors loaded into must be in memory, not on NVMe
     root = Path(load_dir)
     if tag is None and not (root / files.MANIFEST).exists() and files.read_latest(root) is None:
         log.warning("zengine: no '%s' file in %s: no checkpoint loaded", files.LATEST, root)
@@ -231,8 +235,9 @@ def load_checkpoint(
         if engine.partitioned is not None:
             engine.partitioned.release_all()  # the next forward gathers the loaded shards
     else:
-        engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
-        engine.optimizer.clear_grads()
+        optimizer = optimizer_of(engine)
+        optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
+        optimizer.clear_grads()
     if load_optimizer_states:
         apply_optimizer_objects(engine, loaded)
     src = sync.rank % int(manifest["world_size"])
@@ -257,7 +262,7 @@ def verify_files(sync: Sync, directory: Path, manifest: dict[str, Any]) -> None:
 
 
 def _read(
-    engine: Any, sync: Sync, directory: Path, manifest: dict[str, Any], optimizer: bool
+    engine: Engine, sync: Sync, directory: Path, manifest: dict[str, Any], optimizer: bool
 ) -> dict[str, Any]:
     src = sync.rank % int(manifest["world_size"])
     extras = [ENGINE, rank_key(src, "rng"), rank_key(src, "client_state")]
@@ -280,7 +285,7 @@ def _read(
 
 
 def read_entries(
-    engine: Any,
+    engine: Engine,
     sync: Sync,
     directory: Path,
     *,

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zengine._checkpoint._save_load import engine_sync, read_entries, verify_files
 from zengine._checkpoint._stage_layout import owners, stage_dir
@@ -26,9 +26,13 @@ from zengine._checkpoint._state import (
     apply_engine_state,
     apply_optimizer_objects,
     apply_rng,
+    optimizer_of,
     rank_key,
 )
 from zengine._checkpoint._sync import Sync
+
+if TYPE_CHECKING:
+    from zengine.pipe import PipelineEngine
 
 __all__ = ["Sources", "load_stage", "sources"]
 
@@ -73,7 +77,7 @@ def _name_of(key: str) -> str:
 
 
 def _read(
-    engine: Any,
+    engine: PipelineEngine,
     sync: Sync,
     directory: Path,
     take: set[str],
@@ -93,14 +97,14 @@ def _read(
 
 
 def load_stage(
-    engine: Any, src: Sources, optimizer: bool, scheduler: bool, *, verify: bool = True
+    engine: PipelineEngine, src: Sources, optimizer: bool, scheduler: bool, *, verify: bool = True
 ) -> tuple[str, dict[str, Any]]:
     """Load this stage from the old stages in `src`; ``(path, client_state)`` as
     ``engine.load_checkpoint`` returns, the path the primary's directory. Without `verify`
     the caller has checked the files' CRCs already."""
     sync = engine_sync(engine)
     sync.arrive("load_checkpoint")
-    engine.optimizer.resident()  # the tensors loaded into must be in memory, not on NVMe
+    optimizer_of(engine).resident()  # the tensors loaded into must be in memory, not on NVMe
     start = time.perf_counter()
     for s in sorted(src.take) if verify else ():  # every file read is checked first
         verify_files(sync, src.directories[s], src.manifests[s])
@@ -118,8 +122,9 @@ def load_stage(
         )
         mine = extras if s == src.primary else []
         loaded.update(_read(engine, sync, src.directories[s], src.take[s], mine, optimizer))
-    engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
-    engine.optimizer.clear_grads()
+    zero = optimizer_of(engine)
+    zero.layout.write_back()  # the masters into the parameters (all-gathers)
+    zero.clear_grads()
     if optimizer:
         apply_optimizer_objects(engine, loaded)
     apply_engine_state(engine, loaded[ENGINE], scheduler=scheduler)

@@ -38,7 +38,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -66,6 +66,9 @@ from zengine._checkpoint._stage_layout import (
 from zengine._checkpoint._stage_reshape import Sources
 from zengine._checkpoint._sync import Sync
 
+if TYPE_CHECKING:
+    from zengine.pipe import PipelineEngine
+
 __all__ = ["load_stages", "save_stages"]
 
 T = TypeVar("T")
@@ -73,12 +76,12 @@ T = TypeVar("T")
 log = logging.getLogger("zengine")
 
 
-def _world(engine: Any) -> Sync:
+def _world(engine: PipelineEngine) -> Sync:
     """Agreement over every rank of every stage."""
     return Sync(None, engine.config.checkpoint.timeout)
 
 
-def _failed_stages(engine: Any, failed: bool) -> list[int]:
+def _failed_stages(engine: PipelineEngine, failed: bool) -> list[int]:
     """Every stage that failed, as every rank sees it (one all-gather over the world)."""
     # on the engine's device: NCCL gathers only device tensors
     flags = torch.zeros(zcomm.get_world_size(), dtype=torch.int64, device=engine.device)
@@ -87,7 +90,9 @@ def _failed_stages(engine: Any, failed: bool) -> list[int]:
     return sorted({int(f) - 1 for f in flags.tolist() if f})
 
 
-def _on_every_stage(engine: Any, work: Callable[[], T], elsewhere: Callable[[list[int]], str]) -> T:
+def _on_every_stage(
+    engine: PipelineEngine, work: Callable[[], T], elsewhere: Callable[[list[int]], str]
+) -> T:
     """`work` on this stage, then every stage learns which failed: a stage's own error is
     raised there, the others raise a CheckpointError with ``elsewhere(failed stages)``."""
     error: BaseException | None = None
@@ -105,7 +110,7 @@ def _on_every_stage(engine: Any, work: Callable[[], T], elsewhere: Callable[[lis
 
 
 def save_stages(
-    engine: Any,
+    engine: PipelineEngine,
     save_dir: str | os.PathLike[str],
     tag: str | None,
     client_state: dict[str, Any] | None,
@@ -150,7 +155,7 @@ def save_stages(
 
 
 def load_stages(
-    engine: Any,
+    engine: PipelineEngine,
     load_dir: str | os.PathLike[str],
     tag: str | None,
     load_optimizer_states: bool,
@@ -212,7 +217,7 @@ def load_stages(
     )
 
 
-def _verify_stage(engine: Any, root: Path, tag: str, sources: Sources | None) -> None:
+def _verify_stage(engine: PipelineEngine, root: Path, tag: str, sources: Sources | None) -> None:
     """Every file this stage will read against its CRC: its own directory (`sources` None)
     or its old stages'. Collective over the stage's data-parallel ranks."""
     sync = engine_sync(engine)
@@ -231,7 +236,7 @@ def _verify_stage(engine: Any, root: Path, tag: str, sources: Sources | None) ->
 
 
 def _sources(
-    engine: Any,
+    engine: PipelineEngine,
     root: Path,
     tag: str,
     optimizer: bool,

@@ -19,14 +19,19 @@ from __future__ import annotations
 import importlib
 import random
 from collections.abc import Collection, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from zengine._checkpoint._errors import CheckpointError
 from zengine._checkpoint._pieces import Piece
+
+if TYPE_CHECKING:
+    from zengine._engine import Engine
+    from zengine._optim import ZeroOptimizer
 
 __all__ = [
     "ENGINE",
@@ -36,6 +41,7 @@ __all__ = [
     "engine_state",
     "model_entries",
     "optimizer_entries",
+    "optimizer_of",
     "persistent_buffers",
     "rank_key",
     "rng_state",
@@ -43,6 +49,17 @@ __all__ = [
 
 ENGINE = "engine"
 PARAM_GROUPS = "optim/param_groups"
+
+
+def optimizer_of(engine: Engine) -> ZeroOptimizer:
+    """The optimizer whose state is saved or loaded. A forward-only engine never asks: it
+    saves and loads its weights alone (the engine refuses the rest before coming here)."""
+    if engine.optimizer is None:
+        raise CheckpointError(
+            "this engine has no optimizer (it runs forward passes only): its checkpoints hold "
+            "the weights alone"
+        )
+    return engine.optimizer
 
 
 def rank_key(rank: int, what: str) -> str:
@@ -72,7 +89,7 @@ def _valid(numel: int, param_offset: int, size: int) -> int:
 
 
 def model_entries(
-    engine: Any, exclude_frozen: bool = False, saved_masters: Collection[str] = ()
+    engine: Engine, exclude_frozen: bool = False, saved_masters: Collection[str] = ()
 ) -> dict[str, Piece]:
     """The masters of trainable parameters, frozen parameters (not with `exclude_frozen`) and
     buffers, as this rank's pieces (views: written into on load). An engine without an
@@ -84,9 +101,9 @@ def model_entries(
     for name, p in engine.module.named_parameters():
         size = full_numel(p)
         frag = parts.fragments.get(id(p)) if parts is not None else None
+        master = parts.master_of(p) if parts is not None else None  # with a fragment, one
         kind = "master" if parts is None and name in saved_masters else "model"
-        if parts is not None and frag is not None:
-            master = parts.master_of(p)
+        if frag is not None and master is not None:
             valid = _valid(frag.numel, frag.param_offset, size)
             entries[f"master/{name}"] = Piece(master[:valid], min(frag.param_offset, size), size)
         elif exclude_frozen:
@@ -114,10 +131,10 @@ class _ParamState(NamedTuple):
     state: dict[Any, Any]  # the optimizer's state of `stepped`
 
 
-def _param_states(engine: Any) -> Iterator[_ParamState]:
+def _param_states(engine: Engine) -> Iterator[_ParamState]:
     """This rank's piece of every trainable parameter, with its optimizer state."""
-    parts = engine.optimizer.partitions
-    state = engine.optimizer.optimizer.state
+    optimizer = optimizer_of(engine)
+    parts, state = optimizer.partitions, optimizer.optimizer.state
     for name, p in engine.module.named_parameters():
         key = parts.state_key(p)
         if key is None:
@@ -130,7 +147,7 @@ def _param_states(engine: Any) -> Iterator[_ParamState]:
         yield _ParamState(name, stepped, offset, param_offset, valid, size, state[stepped])
 
 
-def optimizer_entries(engine: Any) -> dict[str, Any]:
+def optimizer_entries(engine: Engine) -> dict[str, Any]:
     """This rank's optimizer state by parameter name (views of the live state)."""
     entries: dict[str, Any] = {}
     for ps in _param_states(engine):
@@ -142,12 +159,12 @@ def optimizer_entries(engine: Any) -> dict[str, Any]:
             else:
                 entries[key] = v  # a 0-d tensor or a number, the same on every rank
     entries[PARAM_GROUPS] = [
-        {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+        {k: v for k, v in g.items() if k != "params"} for g in optimizer_of(engine).param_groups
     ]
     return entries
 
 
-def optimizer_destinations(engine: Any, metadata: Metadata) -> dict[str, Any]:
+def optimizer_destinations(engine: Engine, metadata: Metadata) -> dict[str, Any]:
     """Where the checkpoint's optimizer state goes: the live state, created where the
     optimizer has not stepped yet (a fresh engine), shaped as the checkpoint says."""
     stored = metadata.state_dict_metadata
@@ -177,9 +194,9 @@ def _scalar(md: Any) -> bool:
     return not isinstance(md, TensorStorageMetadata) or len(md.size) == 0
 
 
-def apply_optimizer_objects(engine: Any, loaded: dict[str, Any]) -> None:
+def apply_optimizer_objects(engine: Engine, loaded: dict[str, Any]) -> None:
     """Put back what DCP loaded as objects (group options, non-tensor state)."""
-    for g, options in zip(engine.optimizer.param_groups, loaded[PARAM_GROUPS], strict=True):
+    for g, options in zip(optimizer_of(engine).param_groups, loaded[PARAM_GROUPS], strict=True):
         g.update({k: v for k, v in options.items() if k != "params"})
     objects: dict[str, dict[str, Any]] = {}  # parameter name -> its state's loaded objects
     for key, value in loaded.items():
@@ -192,25 +209,26 @@ def apply_optimizer_objects(engine: Any, loaded: dict[str, Any]) -> None:
         ps.state.update(objects.get(ps.name, {}))
 
 
-def engine_state(engine: Any) -> dict[str, Any]:
-    scaler = engine.optimizer.loss_scaler
-    scheduler = engine.lr_scheduler
+def engine_state(engine: Engine) -> dict[str, Any]:
+    optimizer = optimizer_of(engine)
+    scaler, scheduler = optimizer.loss_scaler, engine.lr_scheduler
     return {
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.optimizer.skipped_steps,
+        "skipped_steps": optimizer.skipped_steps,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
     }
 
 
-def apply_engine_state(engine: Any, state: dict[str, Any], *, scheduler: bool) -> None:
+def apply_engine_state(engine: Engine, state: dict[str, Any], *, scheduler: bool) -> None:
     engine.global_steps = int(state["global_steps"])
     engine.global_samples = int(state["global_samples"])
     engine.micro_steps = int(state["micro_steps"])
-    engine.optimizer.skipped_steps = int(state["skipped_steps"])
-    scaler = engine.optimizer.loss_scaler
+    optimizer = optimizer_of(engine)
+    optimizer.skipped_steps = int(state["skipped_steps"])
+    scaler = optimizer.loss_scaler
     if scaler is not None and state["loss_scaler"] is not None:
         scaler.load_state_dict(state["loss_scaler"])
     if scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:

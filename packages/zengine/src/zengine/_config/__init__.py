@@ -9,7 +9,7 @@ optimizer or the offload lives with them.
 """
 
 from zengine._config._args import add_config_arguments
-from zengine._config._engine_config import EngineConfig, load_config, read_config
+from zengine._config._engine_config import ConfigSource, EngineConfig, load_config, read_config
 from zengine._config._errors import ConfigError, describe_validation_error
 from zengine._config._grad_reduction import GradReduction
 from zengine._config._sections import (
@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
     "AioConfig",
     "ConfigError",
+    "ConfigSource",
     "EngineConfig",
     "Flag",
     "GradReduction",

@@ -40,7 +40,7 @@ from zengine._config._sections import (
 )
 from zpartition import ZeroParamConfig
 
-__all__ = ["ConfigError", "EngineConfig", "load_config", "read_config"]
+__all__ = ["ConfigError", "ConfigSource", "EngineConfig", "load_config", "read_config"]
 
 log = logging.getLogger("zengine")
 
@@ -211,9 +211,12 @@ class EngineConfig(_Sections):
         )
 
 
-def load_config(
-    config: Mapping[str, Any] | str | os.PathLike[str] | None, *, world_size: int
-) -> EngineConfig:
+ConfigSource = Mapping[str, Any] | str | os.PathLike[str] | None
+"""What ``initialize(config=...)`` takes: DeepSpeed's config as a dict, or its JSON file's path
+(None: the defaults)."""
+
+
+def load_config(config: ConfigSource, *, world_size: int) -> EngineConfig:
     """Validate a DeepSpeed config (a dict, or the path of a JSON file; None is ``{}``).
 
     ``world_size`` is the data-parallel size, which the batch sizes are resolved against:

@@ -27,7 +27,10 @@ world of one reduces nothing and scales nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zengine._config._engine_config import EngineConfig
 
 __all__ = ["GradReduction"]
 
@@ -41,7 +44,7 @@ class GradReduction:
     predivide: float = 1.0  # gradient_predivide_factor
 
     @classmethod
-    def from_config(cls, config: Any) -> GradReduction:
+    def from_config(cls, config: EngineConfig) -> GradReduction:
         """The options of an `EngineConfig` (its top-level keys)."""
         return cls(
             average=config.gradient_allreduce_op == "mean",

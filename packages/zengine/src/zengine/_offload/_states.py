@@ -41,13 +41,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 import zoffload
 from zengine._errors import UsageError
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum
+
+if TYPE_CHECKING:
+    from zengine._engine import Engine
 
 __all__ = ["StateOffloader", "get_state_devices", "memory_held"]
 
@@ -56,7 +59,7 @@ GATHERED = "gathered_params"  # memory_held's name for ZeRO-3 parameters gathere
 TOTAL = "total"  # memory_held's name for every storage once
 
 
-def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.Tensor]:
+def state_tensors(engine: Engine, state: OffloadStateTypeEnum) -> dict[str, torch.Tensor]:
     """The tensors the engine holds for `state`, by name (empty tensors left out)."""
     if engine.optimizer is None:  # forward passes only: the parameters are all it holds
         if state is not OffloadStateTypeEnum.lp_params:
@@ -81,9 +84,9 @@ def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.T
             found[f"lp.{i}"] = tensor
     elif state is OffloadStateTypeEnum.lp_grads:
         found["grads"] = parts.grad_partitions_flat_buffer
-        for i, tensor in enumerate(getattr(optimizer.layout, "grad_flats", [])):
+        for i, tensor in enumerate(optimizer.layout.grad_flats):
             found[f"grads.full.{i}"] = tensor
-        for i, tensor in enumerate(getattr(optimizer.layout, "low_grad_flats", [])):
+        for i, tensor in enumerate(optimizer.layout.low_grad_flats):
             found[f"grads.low.{i}"] = tensor  # one backward's, before they are folded
     elif state is _BUCKET and engine.partitioned is not None:
         # kept between passes on accelerators only (persistent_grad_buckets); on CPU the
@@ -93,7 +96,7 @@ def state_tensors(engine: Any, state: OffloadStateTypeEnum) -> dict[str, torch.T
     return {k: v for k, v in found.items() if v.numel() > 0}
 
 
-def _lp_params(engine: Any) -> list[torch.Tensor]:
+def _lp_params(engine: Engine) -> list[torch.Tensor]:
     """The compute-dtype parameters: shards (and gathered persistent ones) at stage 3, the
     flat parameter buffers at stages 0-2."""
     if engine.partitioned is None:
@@ -108,7 +111,7 @@ def _lp_params(engine: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def get_state_devices(engine: Any, state: OffloadStateTypeEnum | str) -> set[torch.device]:
+def get_state_devices(engine: Engine, state: OffloadStateTypeEnum | str) -> set[torch.device]:
     """The devices `state`'s tensors are on now: their own, or the host while offloaded to
     host memory; none while on NVMe or freed."""
     devices: set[torch.device] = set()
@@ -121,7 +124,7 @@ def get_state_devices(engine: Any, state: OffloadStateTypeEnum | str) -> set[tor
     return devices
 
 
-def memory_held(engine: Any) -> dict[str, dict[str, int]]:
+def memory_held(engine: Engine) -> dict[str, dict[str, int]]:
     """Bytes the engine holds, by state and by where they are: a device (``cpu``,
     ``cuda:0``) for resident storages, ``cpu`` or ``nvme`` for the copies of offloaded ones.
     The five `OffloadStateTypeEnum` states, `GATHERED` (ZeRO-3 parameters gathered whole now,
@@ -178,7 +181,7 @@ class StateOffloader:
 
     def offload(
         self,
-        engine: Any,
+        engine: Engine,
         include: Iterable[OffloadStateTypeEnum | str] | None,
         device: OffloadDeviceEnum | str,
         *,
@@ -242,7 +245,7 @@ class StateOffloader:
     def _give_back(self) -> None:
         self.offloader.pool.trim()
 
-    def require(self, engine: Any, call: str, states: Iterable[OffloadStateTypeEnum]) -> None:
+    def require(self, engine: Engine, call: str, states: Iterable[OffloadStateTypeEnum]) -> None:
         """Refuse `call` while any of `states` is offloaded (its tensors are empty: reading
         them would crash the process on CPU and read freed memory on a GPU); wait for a
         non-blocking reload first."""

@@ -17,7 +17,12 @@ from zengine._optim._autocast import (
     mark_comm_dtypes,
 )
 from zengine._optim._layouts import ALIGNMENT, FlatLayout, ShardedLayout
-from zengine._optim._loss_scaler import DynamicLossScaler, MinLossScaleError, StaticLossScaler
+from zengine._optim._loss_scaler import (
+    DynamicLossScaler,
+    LossScalerBase,
+    MinLossScaleError,
+    StaticLossScaler,
+)
 from zengine._optim._lr_schedules import (
     LRRangeTest,
     OneCycle,
@@ -27,7 +32,7 @@ from zengine._optim._lr_schedules import (
     build_scheduler,
 )
 from zengine._optim._partitions import Fragment
-from zengine._optim._zero_optimizer import LossScaler, ZeroOptimizer
+from zengine._optim._zero_optimizer import Layout, ZeroOptimizer
 
 __all__ = [
     "ALIGNMENT",
@@ -35,7 +40,8 @@ __all__ = [
     "FlatLayout",
     "Fragment",
     "LRRangeTest",
-    "LossScaler",
+    "Layout",
+    "LossScalerBase",
     "MinLossScaleError",
     "OneCycle",
     "ShardedLayout",

@@ -18,10 +18,11 @@ from torch import nn
 
 import zcomm
 from zengine._optim._layouts import ALIGNMENT, FlatLayout, ShardedLayout
+from zengine._optim._loss_scaler import DynamicLossScaler, LossScalerBase
 from zengine._optim._partitions import Partitions
 
 if TYPE_CHECKING:
-    from zengine._optim._zero_optimizer import Layout, LossScaler
+    from zengine._optim._zero_optimizer import Layout
 
 __all__ = ["DeepSpeedViews"]
 
@@ -34,7 +35,7 @@ class DeepSpeedViews:
     layout: Layout
     partitions: Partitions
     group: dist.ProcessGroup | None
-    loss_scaler: LossScaler | None
+    loss_scaler: LossScalerBase | None
     global_grad_norm: float | None
 
     # -- the parameters and their partitions -------------------------------------------------
@@ -147,24 +148,29 @@ class DeepSpeedViews:
         return self.cur_scale
 
     @property
+    def _dynamic(self) -> DynamicLossScaler | None:
+        scaler = self.loss_scaler
+        return scaler if isinstance(scaler, DynamicLossScaler) else None
+
+    @property
     def dynamic_loss_scale(self) -> bool:
         """Whether the loss scale adapts to overflows (fp16 with ``loss_scale`` 0)."""
-        return bool(getattr(self.loss_scaler, "dynamic", False))
+        return self._dynamic is not None
 
     @property
     def scale_window(self) -> int | None:
         """Steps without an overflow before a dynamic scale grows (None: not dynamic)."""
-        return getattr(self.loss_scaler, "scale_window", None)
+        return self._dynamic.scale_window if self._dynamic is not None else None
 
     @property
     def min_loss_scale(self) -> float | None:
         """The smallest dynamic loss scale (None: not dynamic)."""
-        return getattr(self.loss_scaler, "min_scale", None)
+        return self._dynamic.min_scale if self._dynamic is not None else None
 
     @property
     def cur_iter(self) -> int:
         """Steps the dynamic loss scaler has counted (0 without one)."""
-        return int(getattr(self.loss_scaler, "cur_iter", 0))
+        return self._dynamic.cur_iter if self._dynamic is not None else 0
 
     @property
     def loss_scale_config(self) -> DeepSpeedViews:

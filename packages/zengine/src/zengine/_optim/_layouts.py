@@ -246,6 +246,10 @@ class FlatLayout:
             for p in params:
                 p.grad = None
 
+    def remove(self) -> None:
+        """Take the gradient hooks off (the engine's ``destroy``)."""
+        self.buckets.remove()
+
     def tiles(self) -> list[list[nn.Parameter]] | None:
         """None: the step goes whole (one flat master per group; no tiles at stages 0-2)."""
         return None
@@ -293,6 +297,10 @@ class ShardedLayout:
         sub_group_size: int = 1_000_000_000,
     ) -> None:
         self.params = [cast("list[ZeroParameter]", list(g)) for g in groups]
+        # no flat parameter or gradient buffers: zpartition's shards and its gradient buckets
+        self.flats: list[torch.Tensor] = []
+        self.grad_flats: list[torch.Tensor] = []
+        self.low_grad_flats: list[torch.Tensor] = []
         every = [p for g in self.params for p in g]
         shard_device = every[0].ds_tensor.device if every else device
         master_device = master_device or shard_device
@@ -398,6 +406,9 @@ class ShardedLayout:
 
     def discard_accumulated(self) -> None:
         pass  # every backward reduced into the partitions, which zero_grad zeroes
+
+    def remove(self) -> None:
+        """Nothing to take off: the gradient hooks are zpartition's, removed with the model's."""
 
     def tiles(self) -> list[list[nn.Parameter]] | None:
         """The step's tiles ([Note: tiled steps]); None for a single one."""

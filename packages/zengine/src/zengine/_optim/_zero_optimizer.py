@@ -22,15 +22,25 @@ import zcomm
 from zengine._offload import NvmeStateSwapper, zero_releasing_pages
 from zengine._optim._deepspeed_views import DeepSpeedViews
 from zengine._optim._layouts import ShardedLayout
+from zengine._optim._loss_scaler import LossScalerBase
 from zengine._optim._partitions import Partitions
 
-__all__ = ["Layout", "LossScaler", "ZeroOptimizer"]
+__all__ = ["Layout", "ZeroOptimizer"]
 
 log = logging.getLogger("zengine")
 
 
 class Layout(Protocol):
+    """What the optimizer, the engine and offload_states use of a layout: `FlatLayout`
+    (stages 0-2) or `ShardedLayout` (stage 3)."""
+
     partitions: Partitions
+    # per group: the compute-dtype parameters' flat storage, the full gradients accumulated
+    # over micro-batches (stages 0, 1) and one backward's in the compute dtype when those are
+    # wider; empty where the layout keeps none (stage 3's parameters are zpartition's shards)
+    flats: list[torch.Tensor]
+    grad_flats: list[torch.Tensor]
+    low_grad_flats: list[torch.Tensor]
 
     @property
     def params(self) -> Sequence[Sequence[nn.Parameter]]: ...
@@ -43,12 +53,7 @@ class Layout(Protocol):
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
     def read_back(self) -> None: ...
     def after_step(self) -> None: ...
-
-
-class LossScaler(Protocol):
-    @property
-    def loss_scale(self) -> float: ...
-    def update_scale(self, overflow: bool) -> None: ...
+    def remove(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +82,7 @@ class ZeroOptimizer(DeepSpeedViews):
         *,
         stage: int,
         group: dist.ProcessGroup | None,
-        loss_scaler: LossScaler | None,
+        loss_scaler: LossScalerBase | None,
         clip: float,
         nonfinite: str = "skip",
     ) -> None:

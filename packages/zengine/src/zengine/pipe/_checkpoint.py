@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zengine._checkpoint import StageLayout, load_stages, save_stages
 from zengine.pipe._module import PipelineModule
 from zengine.pipe._specs import TiedLayerSpec
+
+if TYPE_CHECKING:
+    from zengine.pipe._engine import PipelineEngine
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -46,7 +49,7 @@ def _labeller(module: PipelineModule) -> Callable[[str], str]:
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: PipelineEngine,
     save_dir: str | os.PathLike[str],
     tag: str | None,
     client_state: dict[str, Any] | None,
@@ -65,7 +68,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: PipelineEngine,
     load_dir: str | os.PathLike[str],
     tag: str | None,
     load_optimizer_states: bool,

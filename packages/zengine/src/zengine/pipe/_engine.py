@@ -9,6 +9,7 @@ stage steps its own parameters.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -19,15 +20,15 @@ from torch import nn
 import zcomm
 import zpipe
 from zengine import checkpointing
-from zengine._config import PipelineConfig
-from zengine._engine import Checkpoints, Engine
+from zengine._config import EngineConfig, PipelineConfig
+from zengine._engine import Engine
 from zengine.pipe._agreement import check_agreement
 from zengine.pipe._eager import EagerSends
 from zengine.pipe._errors import PipelineError
 from zengine.pipe._link import Link
 from zengine.pipe._module import PipelineModule
 from zengine.pipe._optimizer import PipeZeroOptimizer
-from zengine.pipe._run import BatchRun
+from zengine.pipe._run import BatchRun, StageContext
 from zengine.utils import RepeatingLoader
 from zoffload import OffloadStateTypeEnum
 
@@ -84,7 +85,7 @@ class PipelineEngine(Engine):
         optimizer: PipeZeroOptimizer,
         lr_scheduler: Any,
         *,
-        config: Any,
+        config: EngineConfig,
         device: torch.device,
     ) -> None:
         super().__init__(
@@ -103,7 +104,6 @@ class PipelineEngine(Engine):
             config.pipeline.p2p_timeout,
             device,
         )
-        self.eval_computes_loss = True  # read by the last stage's ForwardPass in eval_batch
         self._params = [p for p in module.parameters() if p.requires_grad]
         # the schedules built (and checked against the other stages), by class and eagerness
         self._schedules: dict[tuple[type[zpipe.PipeSchedule], bool], zpipe.PipeSchedule] = {}
@@ -139,7 +139,7 @@ class PipelineEngine(Engine):
 
     def _reentrant_activation_checkpointing(self) -> bool:
         """DeepSpeed's: whether the module checkpoints with a reentrant function (any but
-        `checkpointing.non_reentrant_checkpoint`), read from the module at each load since
+        `checkpointing.non_reentrant_checkpoint`), read from the module at each batch since
         `set_checkpoint_interval` may change it. The first stage's floating-point inputs then
         require grad: a reentrant checkpoint of the first segment would otherwise cut it off
         from autograd."""
@@ -148,11 +148,42 @@ class PipelineEngine(Engine):
             return False
         return module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
 
-    def _checkpoints(self) -> Checkpoints:
+    def _write_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None,
+        client_state: dict[str, Any] | None,
+        save_latest: bool,
+        exclude_frozen: bool,
+    ) -> bool:
         """One checkpoint per stage under one 'latest' (pipe/_checkpoint.py)."""
+        from zengine.pipe import _checkpoint  # at first use, as the base class's
+
+        return _checkpoint.save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen
+        )
+
+    def _read_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None,
+        load_optimizer_states: bool,
+        load_lr_scheduler_states: bool,
+        *,
+        load_module_strict: bool,
+        load_module_only: bool,
+    ) -> tuple[str | None, dict[str, Any] | None]:
         from zengine.pipe import _checkpoint
 
-        return _checkpoint
+        return _checkpoint.load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_strict=load_module_strict,
+            load_module_only=load_module_only,
+        )
 
     # -- DeepSpeed's pipeline accessors --------------------------------------------------------
 
@@ -171,6 +202,28 @@ class PipelineEngine(Engine):
         super().set_train_batch_size(train_batch_size)
         self.micro_batches = self.gradient_accumulation_steps()
         self._schedules.clear()  # made for the old number of micro-batches
+
+    def _stage_context(self, *, computes_loss: bool = True) -> StageContext:
+        """What this batch's run reads of the engine (taken now: none of it changes while a
+        batch runs; the loss scale changes at its last instruction, the step)."""
+        fp16 = self.config.fp16
+        return StageContext(
+            stage=self.stage_id,
+            virtual_stages=self.num_stages * self.chunks,
+            device=self.device,
+            module=self.module,
+            layout=self.optimizer.layout,
+            link=self.link,
+            autocast=self._autocast,
+            half_inputs=fp16.enabled and fp16.auto_cast,
+            inputs_need_grad=self._reentrant_activation_checkpointing(),
+            loss_factor=self.loss_factor(),
+            computes_loss=computes_loss,
+            receive_ahead=self.receive_ahead,
+            compute_times=self.compute_times,
+            chunk_parameters=self.chunk_parameters,
+            optimizer_step=self.optimizer_step,
+        )
 
     def loss_factor(self) -> float:
         """What the last stage multiplies each micro-batch's loss by before its backward:
@@ -213,7 +266,8 @@ class PipelineEngine(Engine):
         self._idle_trim.busy()
         self._offloaded.require(self, "train_batch()", OffloadStateTypeEnum)
         self.optimizer.before_backward(boundary=True)  # the batch ends with a step
-        run = BatchRun(self, self._schedule(self.train_schedule_cls), data_iter, train=True)
+        schedule = self._schedule(self.train_schedule_cls)
+        run = BatchRun(self._stage_context(), schedule, data_iter, train=True)
         run.execute()
         loss = self._batch_loss(run.losses)
         self.micro_steps += self.micro_batches
@@ -237,13 +291,13 @@ class PipelineEngine(Engine):
         self._idle_trim.busy()
         self._offloaded.require(self, "eval_batch()", [OffloadStateTypeEnum.lp_params])
         self.module.eval()
-        self.eval_computes_loss = compute_loss
         if self.chunks == 1:
             schedule = self._schedule(zpipe.InferenceSchedule)
         else:
             schedule = ForwardOnly(self._schedule(self.train_schedule_cls))
         try:
-            run = BatchRun(self, schedule, data_iter, train=False)
+            context = self._stage_context(computes_loss=compute_loss)
+            run = BatchRun(context, schedule, data_iter, train=False)
             run.execute()
         finally:
             self.module.train(was_training)

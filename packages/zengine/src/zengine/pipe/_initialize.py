@@ -16,7 +16,7 @@ from zengine._assembly import (
     param_groups,
     prepare_dense,
 )
-from zengine._config import ConfigError, EngineConfig, load_config
+from zengine._config import ConfigError, ConfigSource, EngineConfig, load_config
 from zengine._optim import FlatLayout, mark_comm_dtypes
 from zengine.pipe._engine import PipelineEngine
 from zengine.pipe._module import PipelineModule
@@ -69,7 +69,7 @@ def initialize_pipeline(
     training_data: Dataset[Any] | None,
     lr_scheduler: Any,
     collate_fn: Callable[..., Any] | None,
-    config: Any,
+    config: ConfigSource,
 ) -> tuple[PipelineEngine, PipeZeroOptimizer, DataLoader[Any] | None, Any]:
     """Build the pipeline engine: the stage's model on the device, tied weights equal,
     replicas equal, and the ZeRO optimizer over the data-parallel group of the stage."""

@@ -11,23 +11,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 import zpipe
 from zengine._engine import half_floats
-from zengine._optim import forward_autocast
+from zengine._optim import FlatLayout, forward_autocast
 from zengine.pipe._errors import PipelineError, describe
-from zengine.pipe._link import frame_size
+from zengine.pipe._link import Link, frame_size
+from zengine.pipe._module import PipelineModule
 from zengine.pipe._payload import unflatten
 from zengine.pipe._split import SplitBackward
 
-if TYPE_CHECKING:
-    from zengine.pipe._engine import PipelineEngine
-
-__all__ = ["BatchRun"]
+__all__ = ["BatchRun", "StageContext"]
 
 # the computations whose seconds `PipelineEngine.compute_times` records
 _KINDS: dict[type[zpipe.PipeInstruction], str] = {
@@ -54,6 +53,27 @@ class _Slot:
     grads_sent: bool = False  # the input gradients have gone upstream
 
 
+@dataclass(frozen=True)
+class StageContext:
+    """What a batch's run needs of its stage, read from the engine when the batch starts."""
+
+    stage: int  # this stage's id
+    virtual_stages: int  # stages times chunks per stage
+    device: torch.device
+    module: PipelineModule
+    layout: FlatLayout  # the optimizer's: tied gradients, the reduction, folding
+    link: Link  # activations and gradients to and from the other stages
+    autocast: torch.dtype | None  # torch_autocast's dtype, None when off
+    half_inputs: bool  # fp16 with auto_cast: the first stage's float inputs are cast
+    inputs_need_grad: bool  # reentrant activation checkpointing: the first stage's inputs too
+    loss_factor: float  # the last stage's loss times this before its backward
+    computes_loss: bool  # the last stage computes the loss (eval_batch's compute_loss)
+    receive_ahead: bool  # post receives as soon as their size is known (`Link.post_ahead`)
+    compute_times: dict[str, list[float]] | None  # where each computation's seconds go
+    chunk_parameters: Callable[[int], list[nn.Parameter]]  # what a chunk's backward reaches
+    optimizer_step: Callable[[], None]  # the OptimizerStep instruction
+
+
 def _floats(payload: Any) -> list[torch.Tensor]:
     leaves = pytree.tree_leaves(payload)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -64,18 +84,18 @@ class BatchRun:
 
     def __init__(
         self,
-        engine: PipelineEngine,
+        context: StageContext,
         schedule: zpipe.PipeSchedule,
         data_iter: Iterator[Any] | None,
         *,
         train: bool,
     ) -> None:
-        self.engine = engine
+        self.context = ctx = context
         self.schedule = schedule
         self.data_iter = data_iter
         self.train = train
-        self.stage = engine.stage_id
-        self.last = engine.num_stages * engine.chunks - 1  # the last virtual stage
+        self.stage = ctx.stage
+        self.last = ctx.virtual_stages - 1  # the last virtual stage
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.batches: dict[int, Any] = {}  # micro-batch -> what data_iter gave, until loaded
         # how many loads of each micro-batch this stage makes: one for the first virtual
@@ -94,11 +114,11 @@ class BatchRun:
             zpipe.RecvActivation: self.recv_activation,
             zpipe.SendGrad: self.send_grad,
             zpipe.RecvGrad: self.recv_grad,
-            zpipe.ReduceTiedGrads: lambda _: engine.module.allreduce_tied_grads(
-                engine.optimizer.layout.accumulated_grad
+            zpipe.ReduceTiedGrads: lambda _: ctx.module.allreduce_tied_grads(
+                ctx.layout.accumulated_grad
             ),
-            zpipe.ReduceGrads: lambda _: engine.optimizer.layout.after_backward(True),
-            zpipe.OptimizerStep: lambda _: engine.optimizer_step(),
+            zpipe.ReduceGrads: lambda _: ctx.layout.after_backward(True),
+            zpipe.OptimizerStep: lambda _: ctx.optimizer_step(),
         }
 
     # -- the loop ------------------------------------------------------------------------------
@@ -106,9 +126,9 @@ class BatchRun:
     def execute(self) -> None:
         """Run every instruction; on failure tell the other stages, and raise naming this
         stage and the instruction."""
-        link, times = self.engine.link, self.engine.compute_times
+        link, times = self.context.link, self.context.compute_times
         program = [(step, cmd) for step, cmds in enumerate(self.schedule) for cmd in cmds]
-        receives = self._receives(program) if self.engine.receive_ahead else {}
+        receives = self._receives(program) if self.context.receive_ahead else {}
         for at, (step, cmd) in enumerate(program):
             handler = self._handler(type(cmd))
             try:
@@ -148,7 +168,7 @@ class BatchRun:
     def _post_ahead(self, at: int, receives: dict[int, deque[tuple[int, Any]]]) -> None:
         """Instruction `at` is done: post each peer's next receive whose size is known now (a
         gradient's once its forward ran, an activation's once its source's shapes are)."""
-        link = self.engine.link
+        link = self.context.link
         for peer, queue in receives.items():
             while queue and queue[0][0] <= at:
                 queue.popleft()
@@ -164,7 +184,7 @@ class BatchRun:
     def _frame_bytes(self, cmd: Any) -> int | None:
         """The size of the frame receive `cmd` takes, or None while it is not known."""
         if isinstance(cmd, zpipe.RecvActivation):
-            meta = self.engine.link.recv_meta.get(self._virtual(cmd) - 1)
+            meta = self.context.link.recv_meta.get(self._virtual(cmd) - 1)
             return frame_size(meta.tensor_slots()) if meta is not None else None
         slot = self.slots.get(self._key(cmd))
         if slot is None or slot.outputs is None:  # its forward has not run yet
@@ -174,7 +194,7 @@ class BatchRun:
     def _expected(self, remaining: list[Any]) -> dict[int, int]:
         """Per peer stage, the size of the frame it expects next from this stage: that of the
         first send to it still to come (see [Note: the message format] in _link.py)."""
-        link, found = self.engine.link, {}
+        link, found = self.context.link, {}
         for cmd in remaining:
             if not isinstance(cmd, zpipe.SendActivation | zpipe.SendGrad):
                 continue
@@ -197,7 +217,7 @@ class BatchRun:
         slot = self.slots.get(self._key(cmd))
         if slot is not None and slot.in_floats:
             return [(t.dtype, tuple(t.shape)) for t in slot.in_floats]
-        meta = self.engine.link.recv_meta.get(virtual - 1)
+        meta = self.context.link.recv_meta.get(virtual - 1)
         if meta is None:
             return []
         return [(d, shape) for d, shape in meta.tensor_slots() if d.is_floating_point]
@@ -249,21 +269,21 @@ class BatchRun:
             raise TypeError(
                 f"data_iter must yield (inputs, labels) pairs, got {type(batch).__name__}"
             )
-        slot, virtual, device = self._slot(cmd), self._virtual(cmd), self.engine.device
+        slot, virtual, ctx = self._slot(cmd), self._virtual(cmd), self.context
+        device = ctx.device
         if virtual == 0:
             slot.inputs = pytree.tree_map(lambda t: _to(t, device), batch[0])
-            fp16 = self.engine.config.fp16
-            if fp16.enabled and fp16.auto_cast:
+            if ctx.half_inputs:
                 slot.inputs = half_floats(slot.inputs)
-            if self.train and self.engine._reentrant_activation_checkpointing():
+            if self.train and ctx.inputs_need_grad:
                 slot.inputs = pytree.tree_map(_needing_grad, slot.inputs)
         if virtual == self.last:
             slot.labels = pytree.tree_map(lambda t: _to(t, device), batch[1])
 
     def forward(self, cmd: Any) -> None:
-        slot, engine = self._slot(cmd), self.engine
-        with forward_autocast(engine._autocast, engine.device):  # torch_autocast's, if on
-            outputs = engine.module(slot.inputs, chunk=cmd.chunk_id)
+        slot, ctx = self._slot(cmd), self.context
+        with forward_autocast(ctx.autocast, ctx.device):  # torch_autocast's, if on
+            outputs = ctx.module(slot.inputs, chunk=cmd.chunk_id)
         if self._virtual(cmd) != self.last:
             slot.outputs, slot.out_floats = outputs, _floats(outputs)
             return
@@ -271,10 +291,10 @@ class BatchRun:
         if not self.train:
             self.outputs[mb] = outputs
             self.slots.pop(self._key(cmd))
-            if not engine.eval_computes_loss:
+            if not ctx.computes_loss:
                 return
-        loss_fn = engine.module.loss_fn
-        with forward_autocast(engine._autocast, engine.device):
+        loss_fn = ctx.module.loss_fn
+        with forward_autocast(ctx.autocast, ctx.device):
             loss = loss_fn(outputs, labels) if loss_fn is not None else outputs
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
@@ -288,7 +308,7 @@ class BatchRun:
 
     def send_activation(self, cmd: Any) -> None:
         slot, virtual = self._slot(cmd), self._virtual(cmd)
-        self.engine.link.send_activation(
+        self.context.link.send_activation(
             slot.outputs,
             to=self._peer(virtual + 1),
             micro_batch=cmd.micro_batch_id,
@@ -299,7 +319,7 @@ class BatchRun:
 
     def recv_activation(self, cmd: Any) -> None:
         virtual = self._virtual(cmd)
-        tensors, meta = self.engine.link.recv_activation(  # detached: this stage's graph
+        tensors, meta = self.context.link.recv_activation(  # detached: this stage's graph
             frm=self._peer(virtual - 1),  # starts here
             micro_batch=cmd.micro_batch_id,
             source=virtual - 1,
@@ -315,7 +335,7 @@ class BatchRun:
     def _targets(self, cmd: Any, slot: _Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What the backward starts from: the scaled loss, or the outputs and their grads."""
         if self._virtual(cmd) == self.last:
-            loss = slot.outputs.float() * self.engine.loss_factor()
+            loss = slot.outputs.float() * self.context.loss_factor
             return [loss], [torch.ones_like(loss)]
         if slot.out_grads is None:
             raise RuntimeError("the backward runs before the gradient of its output arrived")
@@ -337,7 +357,7 @@ class BatchRun:
     def backward_input(self, cmd: Any) -> None:
         slot = self._slot(cmd)
         outputs, grads = self._targets(cmd, slot)
-        params = self.engine.chunk_parameters(cmd.chunk_id)
+        params = self.context.chunk_parameters(cmd.chunk_id)
         slot.split = SplitBackward(outputs, grads, list(slot.in_floats), params)
         found = slot.split.input_pass() if outputs else [None] * len(slot.in_floats)
         slot.input_grads = [
@@ -357,7 +377,7 @@ class BatchRun:
     def _backward_done(self, cmd: Any, slot: _Slot) -> None:
         # the micro-batch's weight gradients are all in: into the wide buffers, when the
         # engine accumulates in a wider dtype than the parameters' (grad_accum_dtype)
-        self.engine.optimizer.layout.fold()
+        self.context.layout.fold()
         slot.outputs, slot.out_floats, slot.out_grads = None, [], None
         slot.backward_done = True
         self._release(cmd, slot)
@@ -372,7 +392,7 @@ class BatchRun:
         slot, virtual = self._slot(cmd), self._virtual(cmd)
         if slot.input_grads is None:
             raise RuntimeError("SendGrad before the backward that makes the gradients")
-        self.engine.link.send_grads(
+        self.context.link.send_grads(
             slot.input_grads,
             to=self._peer(virtual - 1),
             micro_batch=cmd.micro_batch_id,
@@ -385,7 +405,7 @@ class BatchRun:
     def recv_grad(self, cmd: Any) -> None:
         slot, virtual = self._slot(cmd), self._virtual(cmd)
         shapes = [(t.dtype, tuple(t.shape)) for t in slot.out_floats]
-        slot.out_grads = self.engine.link.recv_grads(
+        slot.out_grads = self.context.link.recv_grads(
             shapes,
             frm=self._peer(virtual + 1),
             micro_batch=cmd.micro_batch_id,
