@@ -15,7 +15,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zengine._checkpoint import _files as files
 from zengine._checkpoint._errors import CorruptCheckpointError
@@ -26,6 +26,9 @@ from zengine._checkpoint._manifest import (
     optimizer_differences,
     param_differences,
 )
+
+if TYPE_CHECKING:
+    from zengine.pipe import PipelineEngine
 
 __all__ = [
     "StageLayout",
@@ -96,7 +99,7 @@ def names(description: dict[str, Any]) -> set[str]:
     return set(description["params"]) | set(description["buffers"])
 
 
-def stage_description(engine: Any) -> dict[str, Any]:
+def stage_description(engine: PipelineEngine) -> dict[str, Any]:
     """What this stage's module holds, in the manifest's terms (`describe`), with its stage."""
     return {**describe(engine), "stage": engine.stage_id}
 
