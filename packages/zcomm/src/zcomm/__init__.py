@@ -13,7 +13,6 @@ from zcomm._accounting import (
     log_summary,
     reset_comm_accounting,
 )
-from zcomm._coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zcomm._collectives import (
     ReduceOp,
     all_gather,
@@ -48,7 +47,6 @@ __all__ = [
     "ReduceOp",
     "__version__",
     "all_gather",
-    "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_reduce",
     "barrier",
@@ -71,7 +69,6 @@ __all__ = [
     "new_group",
     "recv",
     "reduce",
-    "reduce_scatter_coalesced",
     "reduce_scatter_tensor",
     "reset_comm_accounting",
     "send",

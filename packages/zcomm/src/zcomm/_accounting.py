@@ -27,8 +27,6 @@ _BUS_FACTORS = {
     "all_gather": lambda n: (n - 1) / n,
     "all_gather_into_tensor": lambda n: (n - 1) / n,
     "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "all_gather_coalesced": lambda n: (n - 1) / n,
-    "reduce_scatter_coalesced": lambda n: (n - 1) / n,
 }
 
 

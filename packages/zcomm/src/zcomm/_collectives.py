@@ -24,11 +24,9 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
-    "gather_flat",
     "inference_all_reduce",
     "reduce",
     "reduce_scatter_tensor",
-    "scatter_flat",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -232,26 +230,12 @@ def all_gather_into_tensor(
     size = _prepare_pair(op, input_tensor, output_tensor, names, group, result=output_tensor)
     if size == 1:
         return completed(op)
-    return gather_flat(op, output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-def gather_flat(
-    name: str,
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    group: dist.ProcessGroup | None,
-    async_op: bool,
-    then: Callable[[], None] | None = None,
-) -> Handle:
-    """The all-gather itself, unchecked, recorded under `name`; `then` runs after it."""
     return run(
-        name,
+        op,
         group,
-        lambda a: _all_gather_single(output, input, group=group, async_op=a),
+        lambda a: _all_gather_single(output_tensor, input_tensor, group=group, async_op=a),
         async_op=async_op,
-        nbytes=_nbytes(output),
-        finish=then,
+        nbytes=_nbytes(output_tensor),
     )
 
 
@@ -268,7 +252,7 @@ def reduce_scatter_tensor(
 
     `input` holds group size times as many elements as `output`; rank r receives the r-th
     contiguous chunk of the reduction. With `scratch_input` the caller is done with `input`
-    and lets the collective overwrite it, which on gloo saves a copy of it (see `scatter_flat`);
+    and lets the collective overwrite it, which on gloo saves a copy of it (see `_scatter`);
     `output` may then be this rank's chunk of `input` itself (in place, as NCCL defines it),
     which saves the output's memory too.
     """
@@ -277,7 +261,7 @@ def reduce_scatter_tensor(
     if size == 1:
         return completed(name)
     _check_overlap(name, output, input, group, scratch_input)
-    return scatter_flat(
+    return _scatter(
         name,
         output,
         input,
@@ -308,7 +292,7 @@ def _check_overlap(
     )
 
 
-def scatter_flat(
+def _scatter(
     name: str,
     output: torch.Tensor,
     input: torch.Tensor,
@@ -317,17 +301,16 @@ def scatter_flat(
     group: dist.ProcessGroup | None,
     async_op: bool,
     size: int,
-    then: Callable[[], None] | None = None,
     scratch: bool = False,
 ) -> Handle:
-    """The reduce-scatter itself, unchecked, recorded under `name`; `then` runs after it.
+    """The reduce-scatter itself, unchecked, recorded under `name`.
 
     gloo's reduce-scatter copies its whole input and takes about twice an all-reduce's time
     (measured on 2 CPU ranks, 4-256 MiB fp32: 7.5-425 ms against 4.8-232 ms, plus the copy's
     memory). So on gloo, where the caller lets `input` be overwritten (`scratch`), it is
     all-reduced in place and this rank's chunk copied out: more bytes on the wire, less time
     and no copy of the input."""
-    finishers = [then] if then is not None else []
+    finishers: list[Callable[[], None]] = []
     torch_op = op
     if _emulated_avg(op, group):
         finishers.insert(0, _average(output, size))
