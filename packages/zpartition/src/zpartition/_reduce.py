@@ -5,7 +5,9 @@ dtype, ``reduce_bucket_size`` elements at most) and drops the full ones; a full 
 reduce-scattered in one collective, as is what is left at the end of backward: small modules
 would otherwise pay a collective's latency each. The rows of a bucket are rank-major, unit after
 unit, as in [Note: unit layout]. With one rank nothing moves: the full gradient, flattened,
-becomes the shard's gradient.
+becomes the shard's gradient. zengine buckets the gradients of stages 0-2 on its own
+(`zengine/_optim/_grad_buckets.py`): why the two differ is in ARCHITECTURE.md, "Two gradient
+buckets, on purpose".
 """
 
 from __future__ import annotations

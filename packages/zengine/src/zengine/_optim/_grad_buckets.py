@@ -21,7 +21,9 @@ whole group (``reduce_bucket_size`` at least the group's size, as DeepSpeed's de
 is) is reduce-scattered instead, straight into the partitions. With ``overlap_comm`` the
 reductions run while backward goes on; without, each is waited for when it is started. A
 bucket is landed (waited for, its part added to the partition, let go) once the bucket after it
-is started, so at most two are alive at a time, as in DeepSpeed's double buffer.
+is started, so at most two are alive at a time, as in DeepSpeed's double buffer. Stage 3's
+buckets are zpartition's (`zpartition/_reduce.py`); why they are not these: ARCHITECTURE.md,
+"Two gradient buckets, on purpose".
 """
 
 from __future__ import annotations
