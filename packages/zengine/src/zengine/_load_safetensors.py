@@ -45,7 +45,6 @@ def load_safetensors(
     """
     module = model.module if isinstance(model, (Engine, zpartition.Partitioned)) else model
     result = load_safetensors_into(module, checkpoint, strict)
-    refresh = getattr(getattr(model, "optimizer", None), "refresh_fp32_params", None)
-    if isinstance(model, Engine) and refresh is not None:
-        refresh()
+    if isinstance(model, Engine) and model.optimizer is not None:
+        model.optimizer.refresh_fp32_params()
     return result
