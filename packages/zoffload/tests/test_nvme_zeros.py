@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import zoffload
-from zoffload import _nvme
-from zoffload._pages import ZERO_BLOCK, release
+from zoffload import _nvme, release_pages
+from zoffload._pages import ZERO_BLOCK
 from zoffload._storage import byte_view
 
 MB = 1 << 20
@@ -47,7 +47,9 @@ def _huge_page_slack() -> int:
 def test_zeros_handed_back_stay_non_resident_through_a_file(offloader):
     def half_released(nbytes: int) -> torch.Tensor:
         t = torch.randn(nbytes // 4)  # every page resident
-        release(byte_view(t.untyped_storage())[nbytes * 3 // 16 + 123 : nbytes * 13 // 16 + 5])
+        release_pages(
+            byte_view(t.untyped_storage())[nbytes * 3 // 16 + 123 : nbytes * 13 // 16 + 5]
+        )
         return t
 
     # Once first, so that the pool's staging buffers, torch's kernels (code pages) and the

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoffload._pages import ZERO_BLOCK, release, zero_runs
+from zoffload import release_pages
+from zoffload._pages import ZERO_BLOCK, zero_runs
 
 
 def _rss() -> int:
@@ -34,11 +35,27 @@ def test_release_zeroes_and_hands_the_pages_back() -> None:
     data = torch.ones(64 << 20, dtype=torch.uint8)  # resident: every page written
     rss = _rss()
     middle = data[1000 : (40 << 20) + 7]
-    release(middle)
+    release_pages(middle)
     assert rss - _rss() >= (40 << 20) - (1 << 20)
     assert not bool(middle.any())
     assert data[999].item() == 1  # the neighbours are untouched
     assert data[(40 << 20) + 7].item() == 1
     small = torch.ones(100, dtype=torch.uint8)
-    release(small[10:20])  # less than a page: written
+    release_pages(small[10:20])  # less than a page: written
     assert small.sum().item() == 90
+
+
+def test_release_takes_any_dtype_and_zeroes_what_it_cannot_hand_back() -> None:
+    floats = torch.ones(12 << 20)  # 48 MiB of fp32
+    rss = _rss()
+    release_pages(floats[3:-3])  # ends off the page boundaries
+    assert rss - _rss() >= 40 << 20
+    assert not bool(floats[3:-3].any())
+    assert bool(floats[:3].eq(1).all())
+    assert bool(floats[-3:].eq(1).all())
+    strided = torch.ones(1 << 20, 4)[:, 1]  # not contiguous: zeroed element by element
+    release_pages(strided)
+    assert not bool(strided.any())
+    shared = torch.ones(4 << 20).share_memory_()  # another process may map it: written
+    release_pages(shared)
+    assert not bool(shared.any())

@@ -11,6 +11,7 @@ from zoffload._errors import OffloadChecksumError, OffloadError, OffloadFileErro
 from zoffload._handle import OffloadHandle
 from zoffload._nvme import FileManifest, StorageEntry, check_file
 from zoffload._offloader import Offloader, default_offloader, offload
+from zoffload._pages import release_pages
 from zoffload._pool import HostPool, HostRegion, PoolStats, default_pool
 from zoffload._registry import handle_of
 
@@ -33,4 +34,5 @@ __all__ = [
     "default_pool",
     "handle_of",
     "offload",
+    "release_pages",
 ]

@@ -55,7 +55,7 @@ import torch
 from zoffload._errors import OffloadError, OffloadFileError
 from zoffload._extents import BLOCK, Alignment, Chunk, find_zero_runs, plan_chunks
 from zoffload._layout import Layout, align_up
-from zoffload._pages import release
+from zoffload._pages import release_pages
 from zoffload._pool import HostPool, HostRegion
 from zoffload._storage import Slot, byte_view
 
@@ -415,7 +415,7 @@ class NvmeIO:
             slot.zeros = list(entry.zeros)  # the file says which runs it holds as zeros
             view = byte_view(slot.storage, slot.nbytes)
             for start, stop in slot.zeros:
-                release(view[start:stop])
+                release_pages(view[start:stop])
         fd, direct = self._open_for_read(expected.path)
         try:
             align = _alignment(fd, direct)

@@ -6,7 +6,7 @@ reads as zeros but occupies no memory until it is written. Offloading it and wri
 zeros back at reload would make it resident: the process would come back larger than it left.
 So for host storages the zero runs are found at offload (`zero_runs`, whole blocks of
 ``ZERO_BLOCK`` bytes, counted from the storage's start) and at reload they are zeroed with
-`release` instead of written: whole pages are handed back (``MADV_DONTNEED``: private memory
+`release_pages` instead of written: whole pages are handed back (``MADV_DONTNEED``: private memory
 then reads as zeros, and the kernel supplies a zeroed page at the first write), and only the
 partial pages at the run's ends are written. A run of zeros that was resident comes back
 non-resident, which costs a page fault at its first write and never more memory.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["PAGE", "ZERO_BLOCK", "release", "zero_runs"]
+__all__ = ["PAGE", "ZERO_BLOCK", "release_pages", "zero_runs"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 ZERO_BLOCK = 1 << 16  # the granularity of zero runs: 16 pages, a few edge bytes at most
@@ -61,21 +61,27 @@ def zero_runs(data: torch.Tensor, block: int = ZERO_BLOCK) -> list[tuple[int, in
     return [(edges[i] * block, edges[i + 1] * block) for i in range(0, len(edges), 2)]
 
 
-def release(data: torch.Tensor) -> None:
-    """``data.zero_()`` for a flat ``uint8`` host tensor over private memory (not shared, not
-    pinned, not mapped from a file), handing its whole pages back instead of writing them."""
-    if data.device.type != "cpu" or data.dim() != 1 or data.dtype != torch.uint8:
-        raise ValueError("release needs a flat uint8 tensor on the host")
-    start, nbytes = data.data_ptr(), data.numel()
+def release_pages(tensor: torch.Tensor) -> None:
+    """``tensor.zero_()``, handing the whole pages under a host tensor back to the system
+    instead of writing them (``MADV_DONTNEED``: private memory then reads as zeros, and the
+    kernel supplies a zeroed page at the first write); only the partial pages at its ends
+    are written. Anything else is zeroed as ``zero_()`` does: a tensor on a device, not
+    contiguous, pinned (its pages are locked by the CUDA driver), shared, or on a system
+    without ``madvise``. The caller owns the memory (not mapped from a file)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    start = tensor.data_ptr()
     lo, hi = -(-start // PAGE) * PAGE, (start + nbytes) // PAGE * PAGE
     if (
         _madvise_call is None
         or hi <= lo
-        or data.is_pinned()  # page-locked by the CUDA driver: its pages must stay
-        or data.untyped_storage().is_shared()
+        or tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+        or tensor.is_pinned()
+        or tensor.untyped_storage().is_shared()
         or _madvise_call(lo, hi - lo, _MADV_DONTNEED) != 0  # refused: an mlocked range, say
     ):
-        data.zero_()
+        tensor.zero_()
         return
-    data[: lo - start].zero_()
-    data[hi - start :].zero_()
+    raw = tensor.view(-1).view(torch.uint8)
+    raw[: lo - start].zero_()
+    raw[hi - start :].zero_()

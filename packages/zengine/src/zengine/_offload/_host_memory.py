@@ -51,6 +51,8 @@ from collections.abc import Callable
 
 import torch
 
+from zoffload import release_pages
+
 __all__ = ["IDLE_AFTER", "IdleTrimmer", "trim_heap", "zero_releasing_pages"]
 
 IDLE_AFTER = 1.0  # seconds without a forward after a step (or an evaluation) before a trim
@@ -59,8 +61,6 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (ma
 _MMAP_AT = 32 << 20  # glibc's largest mmap threshold on 64-bit systems
 _NEVER = 2**31 - 1  # mallopt takes an int: free() trims only above 2 GiB free at the top
 _USER_KNOBS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
-_MADV_DONTNEED = 4  # madvise's advice number (sys/mman.h, Linux)
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class _MallInfo2(ctypes.Structure):
@@ -113,18 +113,6 @@ def _hold_heap() -> None:
     mallopt(_M_TRIM_THRESHOLD, _NEVER)
 
 
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        call = ctypes.CDLL(None).madvise
-    except (AttributeError, OSError):
-        return None
-    call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return call
-
-
-_madvise_call = _madvise()
-
-
 def zero_releasing_pages(tensor: torch.Tensor) -> None:
     """``tensor.zero_()``, for a buffer the caller allocated (private memory, not shared or
     mapped from a file) that stays idle a while after: on CPU, when it is at least glibc's mmap
@@ -133,25 +121,10 @@ def zero_releasing_pages(tensor: torch.Tensor) -> None:
     supplies zeroed pages at the first write), and only the partial pages at its ends are
     zeroed. As torch's ``zero_grad(set_to_none=True)`` frees the gradients FSDP2 holds between
     steps, without the views of the buffer going stale."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if (
-        _madvise_call is None
-        or tensor.device.type != "cpu"
-        or nbytes < _MMAP_AT
-        or not tensor.is_contiguous()
-        or tensor.is_shared()  # type: ignore[no-untyped-call]
-        or tensor.is_pinned()  # page-locked by the CUDA driver: its pages must stay
-    ):
-        tensor.zero_()
+    if tensor.numel() * tensor.element_size() < _MMAP_AT:
+        tensor.zero_()  # a smaller block is glibc's heap's to reuse: writing is as cheap
         return
-    start = tensor.data_ptr()
-    lo, hi = -(-start // _PAGE) * _PAGE, (start + nbytes) // _PAGE * _PAGE
-    if _madvise_call(lo, hi - lo, _MADV_DONTNEED) != 0:  # refused (an mlocked range, say)
-        tensor.zero_()
-        return
-    raw = tensor.view(-1).view(torch.uint8)
-    raw[: lo - start].zero_()
-    raw[hi - start :].zero_()
+    release_pages(tensor)
 
 
 def trim_heap() -> None:
