@@ -16,7 +16,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig, ZeroParamStatus
 
-from ._models import externals
+from ._helpers import externals
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 CONFIG = ZeroParamConfig(param_persistence_threshold=1)  # the seed's: almost nothing persists

@@ -16,7 +16,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import GatheredParameters, ZeroParamConfig, ZeroParamStatus
 
-from ._models import TinyGPT, batches, externals, reference_losses, train_partitioned
+from ._helpers import TinyGPT, batches, externals, reference_losses, train_partitioned
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 

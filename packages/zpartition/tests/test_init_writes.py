@@ -21,7 +21,7 @@ from zcomm.testing import DistributedTest
 from zpartition import GatheredParameters, ZeroParamConfig, ZeroParamStatus
 from zpartition._gather import channel_for
 
-from ._models import TinyGPT, batches, reference_losses, train_partitioned
+from ._helpers import TinyGPT, batches, reference_losses, train_partitioned
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 VOCAB, HIDDEN, PAD = 40, 16, 3

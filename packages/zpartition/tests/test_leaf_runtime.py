@@ -14,7 +14,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig
 
-from ._models import TinyGPT, batches, reference_losses, train_partitioned
+from ._helpers import TinyGPT, batches, reference_losses, train_partitioned
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 

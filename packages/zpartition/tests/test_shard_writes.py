@@ -17,7 +17,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import GatheredParameters, ZeroParamConfig, ZeroParamError
 
-from ._models import reference_losses, train_partitioned
+from ._helpers import reference_losses, train_partitioned
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 LR = 0.05

@@ -1,4 +1,5 @@
-"""Small models for the tests, and a reference trainer without partitioning."""
+"""What zpartition's tests share: small models and their data, a trainer over partitioned
+parameters, and the reference trainer without partitioning that it is compared with."""
 
 from __future__ import annotations
 
