@@ -4,6 +4,7 @@ the explicit gather and release behind ``param.all_gather()``, ``param.partition
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -15,7 +16,14 @@ from zpartition._shard import check_bound
 from zpartition._status import ZeroParamStatus
 from zpartition._unit import Unit, issue_gathers
 
-__all__ = ["EXPLICIT", "channel_for", "gather_now", "new_unit", "release_now"]
+__all__ = [
+    "EXPLICIT",
+    "bind_gather_methods",
+    "channel_for",
+    "gather_now",
+    "new_unit",
+    "release_now",
+]
 
 # The user id of gathers asked for explicitly (all_gather(), GatheredParameters): such a unit
 # stays gathered until the matching release, whatever the hooks do meanwhile.
@@ -86,3 +94,21 @@ def release_now(
         u.users.discard(user)
         if not u.users and not u.persistent:
             u.release(give_away=give_away)
+
+
+def bind_gather_methods(param: ZeroParameter) -> None:
+    """Give `param` DeepSpeed's ``all_gather()`` and ``partition()``, bound like methods: here
+    and not in `zpartition._param`, because gathering needs units and units import `_param`."""
+    param.__dict__.update(
+        all_gather=functools.partial(_all_gather, param),
+        partition=functools.partial(_partition, param),
+    )
+
+
+def _all_gather(param: ZeroParameter, param_list: list[ZeroParameter] | None = None) -> None:
+    gather_now(param_list if param_list is not None else [param])
+
+
+def _partition(param: ZeroParameter, param_list: list[ZeroParameter] | None = None) -> None:
+    # what was taken from the gathered parameter stays valid, as with GatheredParameters
+    release_now(param_list if param_list is not None else [param], give_away=True)

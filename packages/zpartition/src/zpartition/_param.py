@@ -109,24 +109,9 @@ def convert_parameter(
     param.ds_active_sub_modules = set()
     param.ds_unit = None
     param.data = torch.empty(0, dtype=data.dtype, device=compute_device)
-    param.__dict__.update(  # bound like methods, as DeepSpeed's are
-        all_gather=functools.partial(_all_gather, param),
-        partition=functools.partial(_partition, param),
-        ds_summary=functools.partial(summary, param),
-    )
-
-
-def _all_gather(param: ZeroParameter, param_list: list[ZeroParameter] | None = None) -> None:
-    from zpartition._gather import gather_now  # a cycle: gathering needs units, units params
-
-    gather_now(param_list if param_list is not None else [param])
-
-
-def _partition(param: ZeroParameter, param_list: list[ZeroParameter] | None = None) -> None:
-    from zpartition._gather import release_now
-
-    # what was taken from the gathered parameter stays valid, as with GatheredParameters
-    release_now(param_list if param_list is not None else [param], give_away=True)
+    # bound like a method, as DeepSpeed's is; all_gather() and partition() are bound by
+    # `zpartition._gather.bind_gather_methods`, which owns gathering (units sit between)
+    param.__dict__["ds_summary"] = functools.partial(summary, param)
 
 
 def summary(param: ZeroParameter) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from zpartition._channel import Kind
 from zpartition._config import ZeroParamConfig
 from zpartition._coordinator import Coordinator
 from zpartition._external import ParamDict
-from zpartition._gather import channel_for, new_unit
+from zpartition._gather import bind_gather_methods, channel_for, new_unit
 from zpartition._gathered import GatheredParameters
 from zpartition._hooks import ModuleInfo, State, eager
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
@@ -98,6 +98,7 @@ def convert_module(
             dtype=dtype,
             pin=pin_memory and where.type == "cpu" and torch.cuda.is_available(),
         )
+        bind_gather_methods(p)
     return fresh
 
 
@@ -268,7 +269,7 @@ class Partitioned:
                 p.__dict__.pop(name, None)
 
 
-_METHODS = ["all_gather", "partition"]  # bound by convert_parameter (ds_summary is a ds_*)
+_METHODS = ["all_gather", "partition"]  # bound by convert_module (ds_summary is a ds_*)
 
 
 def partition(
