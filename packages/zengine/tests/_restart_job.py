@@ -20,7 +20,7 @@ import zcomm
 import zengine
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _models import TinyGPT, global_batches  # type: ignore[import-not-found]
+from _helpers import TinyGPT, global_batches  # type: ignore[import-not-found]
 
 STEPS, EVERY, KILL_AT = 8, 2, 5
 CONFIG = {

@@ -18,8 +18,7 @@ import zengine
 from zcomm.testing import DistributedTest
 from zengine import ConfigError, checkpointing
 
-from ._models import TinyGPT, global_batches, plain_losses
-from .test_engine import LR, _config, _train
+from ._helpers import LR, TinyGPT, engine_config, global_batches, plain_losses, train_engine
 
 
 class Checkpointed(TinyGPT):
@@ -48,13 +47,13 @@ class TestActivationCheckpointing(DistributedTest):
         model = Checkpointed(reentrant)
         reference = copy.deepcopy(model)
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0}  # every block gathered
-        cfg = _config(stage, zero_optimization=zero)
+        cfg = engine_config(stage, zero_optimization=zero)
         engine, *_ = zengine.initialize(
             model=model, model_parameters=model.parameters(), config=cfg
         )
         data = global_batches(4, 2 * world_size)
         torch.testing.assert_close(
-            _train(engine, data), plain_losses(reference, data, lr=LR), rtol=1e-5, atol=0
+            train_engine(engine, data), plain_losses(reference, data, lr=LR), rtol=1e-5, atol=0
         )
 
 
@@ -100,12 +99,14 @@ class TestDeepSpeedCheckpointing(DistributedTest):
         model = DeepSpeedCheckpointed()
         reference = copy.deepcopy(model)
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-        engine, *_ = zengine.initialize(model=model, config=_config(stage, zero_optimization=zero))
+        engine, *_ = zengine.initialize(
+            model=model, config=engine_config(stage, zero_optimization=zero)
+        )
         data = global_batches(3, 2 * world_size)
         with checkpointing_off():
             expected = plain_losses(reference, data, lr=LR)
         assert reference.runs == 3 * 3  # once a step each: nothing recomputed
-        torch.testing.assert_close(_train(engine, data), expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(train_engine(engine, data), expected, rtol=1e-5, atol=0)
         assert model.runs == 2 * 3 * 3  # each block recomputed in backward
         engine.destroy()
 
@@ -115,10 +116,10 @@ class TestDeepSpeedCheckpointing(DistributedTest):
         torch.manual_seed(0)
         model = DeepSpeedCheckpointed(dropout=0.3)
         reference = copy.deepcopy(model)
-        engine, *_ = zengine.initialize(model=model, config=_config(0))
+        engine, *_ = zengine.initialize(model=model, config=engine_config(0))
         data = global_batches(3, 2)
         torch.manual_seed(1)
-        losses = _train(engine, data)
+        losses = train_engine(engine, data)
         torch.manual_seed(1)
         with checkpointing_off():
             expected = plain_losses(reference, data, lr=LR)

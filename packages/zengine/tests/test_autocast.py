@@ -17,12 +17,19 @@ from zcomm.testing import DistributedTest
 from zengine._config import ConfigError
 from zengine._optim._grad_buckets import _cut
 
-from ._models import TinyGPT, global_batches
-from .test_engine import LR, _config, _train
-from .test_pipe import Reference, _WithLoss, batches, pipeline
-from .test_pipe import config as pipe_config
-from .test_pipe import initialize as pipe_initialize
-from .test_pipe import train as pipe_train
+from ._helpers import (
+    LR,
+    PipeReference,
+    TinyGPT,
+    WithLoss,
+    engine_config,
+    global_batches,
+    pipe_config,
+    pipe_initialize,
+    pipe_train,
+    pipeline,
+    train_engine,
+)
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 STAGES = pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -63,12 +70,12 @@ def _run(
     torch.manual_seed(0)
     model = TinyGPT()
     reference = copy.deepcopy(model)
-    cfg = _config(stage, torch_autocast=autocast, **extra)
+    cfg = engine_config(stage, torch_autocast=autocast, **extra)
     engine, *_ = zengine.initialize(model=model, config=cfg)
     data = global_batches(steps, cfg["train_micro_batch_size_per_gpu"] * world)
     dtype = torch.float16 if autocast.get("dtype") == "fp16" else torch.bfloat16
     expected = _autocast_losses(reference, data, dtype, world=world, scaler=dtype == torch.float16)
-    return _train(engine, data), expected, engine
+    return train_engine(engine, data), expected, engine
 
 
 class TestParity(DistributedTest):
@@ -148,7 +155,7 @@ class TestCommDtype(DistributedTest):
     ) -> None:
         # Rank 0's gradients are 1, the others' 2**-9: their fp32 mean is exact, a bf16 sum
         # (8 significant bits) rounds 1 + 2**-9 away.
-        config = _config(stage, micro=1, torch_autocast=BF16)
+        config = engine_config(stage, micro=1, torch_autocast=BF16)
         # one parameter a bucket at stages 0-2: a bucket of both would go in fp32
         config["zero_optimization"] |= {"reduce_bucket_size": 1}
         config["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}
@@ -174,7 +181,7 @@ class TestCommDtype(DistributedTest):
     @pytest.mark.parametrize("world_size", [1, 2])
     def test_the_listed_classes_are_marked(self, world_size: int) -> None:
         safe = ["torch.nn.LayerNorm", "torch.nn.Embedding"]
-        config = _config(1, torch_autocast={**BF16, "lower_precision_safe_modules": safe})
+        config = engine_config(1, torch_autocast={**BF16, "lower_precision_safe_modules": safe})
         model = TinyGPT()
         engine, *_ = zengine.initialize(model=model, config=config)
         marked = {n for n, p in model.named_parameters() if zengine.has_comm_dtype(p)}
@@ -213,7 +220,7 @@ class TestForward(DistributedTest):
         def output_dtype(autocast: dict[str, Any], outer: torch.dtype | None) -> torch.dtype:
             torch.manual_seed(0)
             engine, *_ = zengine.initialize(
-                model=nn.Linear(4, 4), config=_config(0, torch_autocast=autocast)
+                model=nn.Linear(4, 4), config=engine_config(0, torch_autocast=autocast)
             )
             with torch.autocast("cpu", dtype=outer or torch.bfloat16, enabled=outer is not None):
                 dtype = engine(torch.randn(2, 4)).dtype
@@ -229,7 +236,7 @@ class TestForward(DistributedTest):
     @pytest.mark.parametrize("world_size", [1])
     def test_a_class_that_cannot_be_found_is_named(self, world_size: int) -> None:
         safe = ["torch.nn.Linear", "torch.nn.NoSuchModule", "no_such_package.Linear"]
-        config = _config(1, torch_autocast={**BF16, "lower_precision_safe_modules": safe})
+        config = engine_config(1, torch_autocast={**BF16, "lower_precision_safe_modules": safe})
         with pytest.raises(ConfigError) as error:
             zengine.initialize(model=nn.Linear(4, 4), config=config)
         text = str(error.value)
@@ -247,8 +254,8 @@ class TestPipeline(DistributedTest):
         # reference's pieces of the batch are
         cfg = pipe_config(torch_autocast=BF16)
         engine = pipe_initialize(pipeline(2), cfg)
-        data = batches(4, cfg["train_micro_batch_size_per_gpu"] * 4)
-        reference = _WithLoss(Reference())
+        data = global_batches(4, cfg["train_micro_batch_size_per_gpu"] * 4)
+        reference = WithLoss(PipeReference())
         expected = _autocast_losses(reference, data, torch.bfloat16, world=4)
         torch.testing.assert_close(pipe_train(engine, data), expected, rtol=1e-5, atol=0)
         marked = [p for p in engine.module.parameters() if zengine.has_comm_dtype(p)]
@@ -281,7 +288,7 @@ class TestStage3Gathers(DistributedTest):
         model = TinyGPT()
         reference = copy.deepcopy(model)
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-        cfg = _config(3, torch_autocast=BF16, zero_optimization=zero)
+        cfg = engine_config(3, torch_autocast=BF16, zero_optimization=zero)
         engine, *_ = zengine.initialize(model=model, config=cfg)
         narrow = [p for p in model.parameters() if zengine.has_comm_dtype(p)]
         assert narrow

@@ -18,34 +18,10 @@ import zcomm
 import zengine
 from zcomm.testing import DistributedTest
 
-from ._models import TinyGPT, global_batches
+from ._helpers import TinyGPT, checkpoint_config, checkpoint_engine, global_batches, train_global
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-LR = 1e-2
 STEPS = 3  # before the save, and again after it
-
-
-def config(stage: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "steps_per_print": 1000,
-        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": LR}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16},
-        **extra,
-    }
-
-
-def engine_for(
-    stage: int, seed: int = 0, mpu: Any = None, frozen: bool = False, **extra: Any
-) -> zengine.Engine:
-    torch.manual_seed(seed)
-    model = TinyGPT()
-    model.embed.requires_grad_(not frozen)
-    engine, *_ = zengine.initialize(
-        model=model, model_parameters=model.parameters(), config=config(stage, **extra), mpu=mpu
-    )
-    return engine
 
 
 def train(engine: zengine.Engine, data: list[torch.Tensor]) -> list[float]:
@@ -77,14 +53,14 @@ def resume_matches(
     `before_save` and `after_load` see the two engines at the checkpoint."""
     world = zcomm.get_world_size()
     data = global_batches(2 * STEPS, 2 * world)
-    engine = engine_for(stage, frozen=frozen, **extra)
+    engine = checkpoint_engine(stage, frozen=frozen, **extra)
     train(engine, data[:STEPS])
     if before_save is not None:
         before_save(engine)
     engine.save_checkpoint(tmp_path, client_state={"position": STEPS, "rank": zcomm.get_rank()})
     straight = train(engine, data[STEPS:])
     # other initial weights: all must come from the file
-    resumed = engine_for(stage, seed=1, frozen=frozen, **extra)
+    resumed = checkpoint_engine(stage, seed=1, frozen=frozen, **extra)
     path, client = resumed.load_checkpoint(tmp_path)
     if after_load is not None:
         after_load(resumed)
@@ -156,10 +132,10 @@ class TestResume(DistributedTest):
 
     @pytest.mark.parametrize("stage", [1, 3])
     def test_module_only_loads_the_weights_alone(self, stage: int, tmp_path: Path) -> None:
-        engine = engine_for(stage)
+        engine = checkpoint_engine(stage)
         train(engine, global_batches(STEPS, 2 * zcomm.get_world_size()))
         engine.save_checkpoint(tmp_path)
-        fresh = engine_for(stage, seed=1)
+        fresh = checkpoint_engine(stage, seed=1)
         lr = fresh.get_lr()
         path, _ = fresh.load_checkpoint(tmp_path, load_module_only=True)
         assert path is not None
@@ -177,14 +153,14 @@ class TestResume(DistributedTest):
         # exclude_frozen_parameters (Hugging Face's Trainer with PEFT): the frozen base model
         # stays out of the checkpoint and comes from where the model came from
         data = global_batches(2 * STEPS, 2 * zcomm.get_world_size())
-        engine = engine_for(stage, frozen=True)
+        engine = checkpoint_engine(stage, frozen=True)
         train(engine, data[:STEPS])
         engine.save_checkpoint(tmp_path, exclude_frozen_parameters=True)
         straight = train(engine, data[STEPS:])
         manifest = json.loads(next(tmp_path.glob("*/zengine.json")).read_text())
         assert manifest["frozen_excluded"]
         assert not any(name.startswith("embed.") for name in manifest["params"])
-        resumed = engine_for(stage, frozen=True)  # the same base weights, untrained head
+        resumed = checkpoint_engine(stage, frozen=True)  # the same base weights, untrained head
         with pytest.raises(zengine.CheckpointMismatchError, match="load_module_strict=False"):
             resumed.load_checkpoint(tmp_path)
         resumed.load_checkpoint(tmp_path, load_module_strict=False)
@@ -250,7 +226,7 @@ class TestResume(DistributedTest):
         assert saved["cur_iter"] == STEPS, saved
 
     def test_layout_is_by_name_and_latest_last(self, tmp_path: Path) -> None:
-        engine = engine_for(3)
+        engine = checkpoint_engine(3)
         train(engine, global_batches(1, 4))
         engine.save_checkpoint(tmp_path, tag="first")
         engine.save_checkpoint(tmp_path, tag="second")
@@ -264,12 +240,12 @@ class TestResume(DistributedTest):
         assert path == str(tmp_path / "first")
 
     def test_ranks_save_under_one_tag(self, tmp_path: Path) -> None:
-        engine = engine_for(0)
+        engine = checkpoint_engine(0)
         engine.save_checkpoint(tmp_path, tag=f"mine{zcomm.get_rank()}")  # WARN: rank 0's tag
         assert (tmp_path / "latest").read_text() == "mine0"
         with pytest.raises(ValueError, match=r"'\.\./x' is not usable as a directory name"):
             engine.save_checkpoint(tmp_path, tag="../x" if zcomm.get_rank() == 1 else "ok")
-        strict = engine_for(0, checkpoint={"tag_validation": "FAIL"})
+        strict = checkpoint_engine(0, checkpoint={"tag_validation": "FAIL"})
         with pytest.raises(AssertionError, match="the ranks passed different tags"):  # DeepSpeed's
             strict.save_checkpoint(tmp_path, tag=f"other{zcomm.get_rank()}")
         assert (tmp_path / "latest").read_text() == "mine0"
@@ -284,7 +260,7 @@ class TestForwardOnlyEngineLoads(DistributedTest):
     def test_weights_from_a_training_checkpoint(
         self, world_size: int, saved_at: int, served_at: int, tmp_path: Path
     ) -> None:
-        trained = engine_for(saved_at)
+        trained = checkpoint_engine(saved_at)
         train(trained, global_batches(STEPS, 2 * world_size))
         trained.save_checkpoint(tmp_path, client_state={"note": "kept"})
         tokens = global_batches(1, 2)[0]
@@ -338,7 +314,7 @@ class TestTensorsWithoutElements(DistributedTest):
         def build(seed: int) -> tuple[_WithEmpty, zengine.Engine]:
             torch.manual_seed(seed)
             model = _WithEmpty()
-            engine, *_ = zengine.initialize(model=model, config=config(stage))
+            engine, *_ = zengine.initialize(model=model, config=checkpoint_config(stage))
             return model, engine
 
         model, engine = build(0)
@@ -369,35 +345,19 @@ class _Mpu:
         return self.group
 
 
-def train_global(
-    engine: zengine.Engine, data: list[torch.Tensor], group: Any = None
-) -> list[float]:
-    """Each global batch split over the ranks of `group`; the global mean losses."""
-    rank, world = zcomm.get_rank(group), zcomm.get_world_size(group)
-    losses = []
-    for tokens in data:
-        loss = engine(tokens.view(world, -1, tokens.shape[-1])[rank])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().reshape(1)
-        zcomm.all_reduce(total, op=zcomm.ReduceOp.AVG, group=group)
-        losses.append(total.item())
-    return losses
-
-
 class TestReshard(DistributedTest):
     world_size = 4
 
     def test_zero3_saved_on_4_ranks_loads_on_2_and_1(self, tmp_path: Path) -> None:
         data = global_batches(STEPS + 2, 8)
-        engine = engine_for(3)
+        engine = checkpoint_engine(3)
         train_global(engine, data[:STEPS])
         engine.save_checkpoint(tmp_path)
         expected = train_global(engine, data[STEPS:])
         for size in (2, 1):
             group = zcomm.new_group(list(range(size)))  # every rank joins its creation
             if zcomm.get_rank() < size:
-                smaller = engine_for(3, seed=5, mpu=_Mpu(group))
+                smaller = checkpoint_engine(3, seed=5, mpu=_Mpu(group))
                 smaller.load_checkpoint(tmp_path)
                 assert smaller.global_steps == STEPS
                 losses = train_global(smaller, data[STEPS:], group)

@@ -24,8 +24,14 @@ from zengine.utils.zero_to_fp32 import (
     load_state_dict_from_zero_checkpoint,
 )
 
-from ._models import HIDDEN, TinyGPT, global_batches
-from .test_checkpoint import config, engine_for, train_global
+from ._helpers import (
+    HIDDEN,
+    TinyGPT,
+    checkpoint_config,
+    checkpoint_engine,
+    global_batches,
+    train_global,
+)
 
 
 def full_model(engine: zengine.Engine) -> dict[str, torch.Tensor]:
@@ -50,7 +56,7 @@ class TestConsolidate(DistributedTest):
 
     @pytest.mark.parametrize("stage", [1, 3])
     def test_consolidated_is_the_full_fp32_model(self, stage: int, tmp_path: Path) -> None:
-        engine = engine_for(stage, bf16={"enabled": True})
+        engine = checkpoint_engine(stage, bf16={"enabled": True})
         train_global(engine, global_batches(2, 4))
         engine.save_checkpoint(tmp_path / "ckpt")
         expected = full_model(engine)
@@ -64,7 +70,7 @@ class TestConsolidate(DistributedTest):
         assert_same(read_safetensors(out), expected)
 
     def test_command_line(self, tmp_path: Path) -> None:
-        engine = engine_for(3)
+        engine = checkpoint_engine(3)
         train_global(engine, global_batches(1, 4))
         engine.save_checkpoint(tmp_path / "ckpt", tag="t1")
         expected = full_model(engine)
@@ -118,7 +124,7 @@ class TestSave16bit(DistributedTest):
             "stage3_param_persistence_threshold": 16,
             "stage3_gather_16bit_weights_on_model_save": True,
         }
-        engine = engine_for(3, bf16={"enabled": True}, zero_optimization=zero)
+        engine = checkpoint_engine(3, bf16={"enabled": True}, zero_optimization=zero)
         train_global(engine, global_batches(1, 4))
         assert engine.save_16bit_model(tmp_path, "model.safetensors")
         assert engine.save_16bit_model(tmp_path)
@@ -143,7 +149,7 @@ class TestSave16bit(DistributedTest):
             assert state == {}
 
     def test_stage3_without_the_switch_saves_nothing(self, tmp_path: Path) -> None:
-        engine = engine_for(3)
+        engine = checkpoint_engine(3)
         assert not engine.zero_gather_16bit_weights_on_model_save()
         assert engine.save_16bit_model(tmp_path) is False
         assert not (tmp_path / "pytorch_model.bin").exists()
@@ -160,7 +166,7 @@ def tied_engine(stage: int) -> zengine.Engine:
     engine, *_ = zengine.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=config(stage, zero_optimization=zero),
+        config=checkpoint_config(stage, zero_optimization=zero),
     )
     return engine
 

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import resource
-import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +19,18 @@ from zengine._checkpoint import (
     CorruptCheckpointError,
 )
 
-from ._models import TinyGPT, global_batches
-from .test_checkpoint import config, engine_for, train_global
+from ._helpers import (
+    TinyGPT,
+    checkpoint_config,
+    checkpoint_engine,
+    file_size_limit,
+    global_batches,
+    train_global,
+)
 
 
 def saved(tmp_path: Path, stage: int = 3) -> zengine.Engine:
-    engine = engine_for(stage)
+    engine = checkpoint_engine(stage)
     train_global(engine, global_batches(2, 2 * zcomm.get_world_size()))
     engine.save_checkpoint(tmp_path, tag="good")
     return engine
@@ -58,7 +61,7 @@ class TestDamagedCheckpoint(DistributedTest):
         with pytest.raises(
             CorruptCheckpointError, match=r"__1_0\.distcp is missing \(written by rank 1\)"
         ):
-            engine_for(3).load_checkpoint(tmp_path)
+            checkpoint_engine(3).load_checkpoint(tmp_path)
 
     def test_corrupt_shard_is_named(self, tmp_path: Path) -> None:
         saved(tmp_path)
@@ -70,7 +73,7 @@ class TestDamagedCheckpoint(DistributedTest):
             shard.write_bytes(bytes(data))
         zcomm.barrier()
         with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp is corrupt: CRC32"):
-            engine_for(3).load_checkpoint(tmp_path)
+            checkpoint_engine(3).load_checkpoint(tmp_path)
 
     def test_interrupted_save_is_not_loaded(self, tmp_path: Path) -> None:
         saved(tmp_path)
@@ -79,14 +82,14 @@ class TestDamagedCheckpoint(DistributedTest):
             (tmp_path / "good" / "zengine.json").unlink()
         zcomm.barrier()
         with pytest.raises(CorruptCheckpointError, match=r"incomplete: zengine\.json is missing"):
-            engine_for(3).load_checkpoint(tmp_path)
+            checkpoint_engine(3).load_checkpoint(tmp_path)
 
     def test_other_model_names_what_differs(self, tmp_path: Path) -> None:
         saved(tmp_path)
         torch.manual_seed(0)
         model = TinyGPT(blocks=3)
         engine, *_ = zengine.initialize(
-            model=model, model_parameters=model.parameters(), config=config(3)
+            model=model, model_parameters=model.parameters(), config=checkpoint_config(3)
         )
         with pytest.raises(CheckpointMismatchError, match=r"not in the checkpoint: blocks\.2\."):
             engine.load_checkpoint(tmp_path)
@@ -99,7 +102,7 @@ class TestDamagedCheckpoint(DistributedTest):
         torch.manual_seed(5)
         model = TinyGPT(blocks=3)
         engine, *_ = zengine.initialize(
-            model=model, model_parameters=model.parameters(), config=config(3)
+            model=model, model_parameters=model.parameters(), config=checkpoint_config(3)
         )
         extra = {n: _full(p) for n, p in model.named_parameters() if n.startswith("blocks.2.")}
         assert extra
@@ -117,7 +120,7 @@ class TestDamagedCheckpoint(DistributedTest):
         model = TinyGPT(blocks=3)
         model.blocks[2].requires_grad_(False)
         engine, *_ = zengine.initialize(
-            model=model, model_parameters=model.parameters(), config=config(3)
+            model=model, model_parameters=model.parameters(), config=checkpoint_config(3)
         )
         engine.load_checkpoint(tmp_path, load_module_strict=False)
         assert engine.global_steps == original.global_steps
@@ -127,7 +130,7 @@ class TestDamagedCheckpoint(DistributedTest):
 
     def test_other_optimizer_names_what_differs(self, tmp_path: Path) -> None:
         saved(tmp_path)
-        cfg = config(3)
+        cfg = checkpoint_config(3)
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
         torch.manual_seed(0)
         model = TinyGPT()
@@ -139,20 +142,6 @@ class TestDamagedCheckpoint(DistributedTest):
         ):
             engine.load_checkpoint(tmp_path)
         engine.load_checkpoint(tmp_path, load_optimizer_states=False)  # the weights alone load
-
-
-@contextlib.contextmanager
-def file_size_limit(limit: int) -> Iterator[None]:
-    """A real write error: files of this process may not grow past `limit` bytes, so a write
-    beyond it fails with EFBIG ("File too large"), as a full disk fails with ENOSPC."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error, not a killed process
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
 
 
 class TestFailedSave(DistributedTest):
@@ -171,13 +160,13 @@ class TestFailedSave(DistributedTest):
         assert (tmp_path / "latest").read_text() == "good"
         left = sorted(p.name for p in tmp_path.iterdir())
         assert left == ["good", "latest"], left
-        restored = engine_for(3, seed=3)
+        restored = checkpoint_engine(3, seed=3)
         restored.load_checkpoint(tmp_path)
         for a, b in zip(fingerprint(restored), good, strict=True):
             assert torch.equal(a, b)
 
     def test_a_rank_that_never_comes_is_named(self, tmp_path: Path) -> None:
-        engine = engine_for(3, checkpoint={"timeout": 1.0})
+        engine = checkpoint_engine(3, checkpoint={"timeout": 1.0})
         if zcomm.get_rank() == 1:
             time.sleep(2.5)  # rank 1 "hangs" elsewhere and never calls save_checkpoint
             return
@@ -198,7 +187,7 @@ class TestNonFiniteLoss(DistributedTest):
         extra: dict[str, Any] = {"fp16": fp16} if precision == "fp16" else {}
         if precision == "bf16":
             extra = {"bf16": {"enabled": True}}
-        engine = engine_for(2, **extra)
+        engine = checkpoint_engine(2, **extra)
         train_global(engine, global_batches(1, 4))
         before = fingerprint(engine)
         scale = engine.optimizer.cur_scale
@@ -218,7 +207,7 @@ class TestNonFiniteLoss(DistributedTest):
         extra: dict[str, Any] = {"nonfinite_gradients": "raise"}
         if precision == "bf16":
             extra["bf16"] = {"enabled": True}
-        engine = engine_for(2, **extra)
+        engine = checkpoint_engine(2, **extra)
         train_global(engine, global_batches(1, 4))
         before = fingerprint(engine)
         # only rank 1's loss is infinite: every rank must raise all the same

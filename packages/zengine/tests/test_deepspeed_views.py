@@ -13,8 +13,8 @@ import zcomm
 import zengine
 from zcomm.testing import DistributedTest
 
-from ._models import SCALE_SIZES as SIZES
-from ._models import Scale as _Scale
+from ._helpers import SCALE_SIZES as SIZES
+from ._helpers import Scale as _Scale
 
 
 def _engine(stage: int, **extra: Any) -> tuple[zengine.Engine, Any, list[nn.Parameter]]:

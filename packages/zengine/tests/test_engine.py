@@ -12,53 +12,18 @@ import zcomm
 import zengine
 from zcomm.testing import DistributedTest
 
-from ._models import TinyGPT, global_batches, plain_losses
+from ._helpers import (
+    LR,
+    TinyGPT,
+    engine_config,
+    global_batches,
+    plain_losses,
+    run_with_plain,
+    train_engine,
+)
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 STAGES = pytest.mark.parametrize("stage", [0, 1, 2, 3])
-LR = 1e-2
-
-
-def _config(stage: int, *, micro: int = 2, accumulation: int = 1, **extra: Any) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accumulation,
-        "steps_per_print": 1000,
-        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16},
-        **extra,
-    }
-
-
-def _train(engine: zengine.Engine, data: list[torch.Tensor]) -> list[float]:
-    """Each global batch split over accumulation steps and ranks; the global mean losses."""
-    rank, world = zcomm.get_rank(), zcomm.get_world_size()
-    accumulation = engine.gradient_accumulation_steps()
-    losses = []
-    for tokens in data:
-        pieces = tokens.view(accumulation, world, -1, tokens.shape[-1])
-        total = torch.zeros(())
-        for k in range(accumulation):
-            loss = engine(pieces[k, rank])
-            share = engine.backward(loss)  # as DeepSpeed's: divided by the accumulation steps
-            torch.testing.assert_close(share, loss.detach().float() / accumulation)
-            engine.step()
-            total += loss.detach().float()
-        zcomm.all_reduce(total, op=zcomm.ReduceOp.AVG)
-        losses.append(total.item() / accumulation)
-    return losses
-
-
-def _run(stage: int, world: int, steps: int = 10, **config: Any) -> tuple[list[float], list[float]]:
-    torch.manual_seed(0)
-    model = TinyGPT()
-    reference = copy.deepcopy(model)
-    cfg = _config(stage, **config)
-    engine, *_ = zengine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    batch = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
-    data = global_batches(steps, batch)
-    clip = float(cfg.get("gradient_clipping", 0.0))
-    return _train(engine, data), plain_losses(reference, data, lr=LR, clip=clip)
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -82,19 +47,19 @@ class TestParity(DistributedTest):
     @SIZES
     @STAGES
     def test_fp32_losses_match_plain_pytorch(self, world_size: int, stage: int) -> None:
-        losses, expected = _run(stage, world_size)
+        losses, expected = run_with_plain(stage, world_size)
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
 
     @pytest.mark.parametrize("world_size", [1, 2])
     @STAGES
     def test_gradient_accumulation(self, world_size: int, stage: int) -> None:
-        losses, expected = _run(stage, world_size, steps=5, micro=1, accumulation=3)
+        losses, expected = run_with_plain(stage, world_size, steps=5, micro=1, accumulation=3)
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
 
     @pytest.mark.parametrize("world_size", [1, 2])
     @STAGES
     def test_gradient_clipping(self, world_size: int, stage: int) -> None:
-        losses, expected = _run(stage, world_size, steps=5, gradient_clipping=0.05)
+        losses, expected = run_with_plain(stage, world_size, steps=5, gradient_clipping=0.05)
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
 
     @pytest.mark.parametrize("world_size", [2])
@@ -102,7 +67,7 @@ class TestParity(DistributedTest):
     @pytest.mark.parametrize("precision", ["bf16", "fp16"])
     def test_half_precision_follows_fp32(self, world_size: int, stage: int, precision: str) -> None:
         half = {precision: {"enabled": True, **({"loss_scale": 0} if precision == "fp16" else {})}}
-        losses, expected = _run(stage, world_size, steps=6, **half)
+        losses, expected = run_with_plain(stage, world_size, steps=6, **half)
         torch.testing.assert_close(losses, expected, rtol=3e-2, atol=0)
 
 
@@ -118,7 +83,7 @@ class TestSteps(DistributedTest):
         twin = copy.deepcopy(model)
         rank = zcomm.get_rank()
         a, b = (t[2 * rank : 2 * rank + 2] for t in global_batches(2, 2 * world_size))
-        engine, *_ = zengine.initialize(model=model, config=_config(stage))
+        engine, *_ = zengine.initialize(model=model, config=engine_config(stage))
         with engine.no_sync():
             assert _moved(lambda: engine.backward(engine(a))) == 0
             # RuntimeErrors, and AssertionErrors with DeepSpeed's words, as its tests expect
@@ -128,7 +93,7 @@ class TestSteps(DistributedTest):
                 pass
         assert (_moved(lambda: engine.backward(engine(b))) > 0) == (world_size > 1)
         engine.step()
-        other, *_ = zengine.initialize(model=twin, config=_config(stage))
+        other, *_ = zengine.initialize(model=twin, config=engine_config(stage))
         other.backward(other(a) + other(b))
         other.step()
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
@@ -144,7 +109,7 @@ class TestSteps(DistributedTest):
         torch.manual_seed(0)
         model = TinyGPT()
         twin = copy.deepcopy(model)
-        cfg = _config(stage, micro=1, accumulation=2)
+        cfg = engine_config(stage, micro=1, accumulation=2)
         data = global_batches(3, 2 * world_size)
         engine, *_ = zengine.initialize(model=model, config=cfg)
         rank = zcomm.get_rank()
@@ -158,7 +123,7 @@ class TestSteps(DistributedTest):
                     assert engine.was_step_applied()
         assert engine.global_steps == 3
         other, *_ = zengine.initialize(model=twin, config=cfg)
-        _train(other, data)
+        train_engine(other, data)
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(_full(p), _full(q))
         with pytest.raises(TypeError, match="expected a bool"):
@@ -171,13 +136,13 @@ class TestSteps(DistributedTest):
         torch.manual_seed(0)
         model = TinyGPT()
         reference = copy.deepcopy(model)
-        engine, *_ = zengine.initialize(model=model, config=_config(stage))
+        engine, *_ = zengine.initialize(model=model, config=engine_config(stage))
         data = global_batches(2, 2 * world_size) + global_batches(2, 4 * world_size, seed=8)
-        losses = _train(engine, data[:2])
+        losses = train_engine(engine, data[:2])
         engine.set_train_batch_size(4 * world_size)
         assert engine.gradient_accumulation_steps() == 2
         assert engine.train_batch_size() == 4 * world_size
-        losses += _train(engine, data[2:])
+        losses += train_engine(engine, data[2:])
         assert engine.global_steps == 4
         torch.testing.assert_close(losses, plain_losses(reference, data, lr=LR), rtol=1e-5, atol=0)
         for bad in (3 * world_size, 0, 4.0):
@@ -194,7 +159,7 @@ class TestSteps(DistributedTest):
         model = TinyGPT()
         twin = copy.deepcopy(model)
         engines = [
-            zengine.initialize(model=m, config=_config(3, zero_optimization=zero))[0]
+            zengine.initialize(model=m, config=engine_config(3, zero_optimization=zero))[0]
             for m in (model, twin)
         ]
         rank = zcomm.get_rank()
@@ -228,7 +193,9 @@ class TestSteps(DistributedTest):
         torch.manual_seed(0)
         model = TinyGPT()
         twin = copy.deepcopy(model)
-        engines = [zengine.initialize(model=m, config=_config(stage))[0] for m in (model, twin)]
+        engines = [
+            zengine.initialize(model=m, config=engine_config(stage))[0] for m in (model, twin)
+        ]
         rank = zcomm.get_rank()
         for tokens in global_batches(3, 2 * world_size):
             for k, engine in enumerate(engines):
@@ -249,7 +216,7 @@ class TestSteps(DistributedTest):
     def test_no_sync_is_refused_where_gradients_are_partitioned(
         self, world_size: int, stage: int
     ) -> None:
-        engine, *_ = zengine.initialize(model=TinyGPT(), config=_config(stage))
+        engine, *_ = zengine.initialize(model=TinyGPT(), config=engine_config(stage))
         with pytest.raises(RuntimeError, match=f"stage {stage} partitions"), engine.no_sync():
             pass
         with pytest.raises(AssertionError, match="no_sync context manager is incompatible"):
@@ -259,7 +226,7 @@ class TestSteps(DistributedTest):
     @STAGES
     def test_step_acts_at_the_boundary_only(self, world_size: int, stage: int) -> None:
         model = TinyGPT()
-        cfg = _config(stage, micro=1, accumulation=2)
+        cfg = engine_config(stage, micro=1, accumulation=2)
         engine, *_ = zengine.initialize(model=model, config=cfg)
         assert engine.train_batch_size() == 2 * world_size
         tokens = global_batches(1, 1)[0]
@@ -300,9 +267,11 @@ class TestCompile(DistributedTest):
         model = TinyGPT()
         reference = copy.deepcopy(model)
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-        engine, *_ = zengine.initialize(model=model, config=_config(stage, zero_optimization=zero))
+        engine, *_ = zengine.initialize(
+            model=model, config=engine_config(stage, zero_optimization=zero)
+        )
         engine.compile()
         data = global_batches(3, 2 * world_size)
         expected = plain_losses(reference, data, lr=LR)
-        torch.testing.assert_close(_train(engine, data), expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(train_engine(engine, data), expected, rtol=1e-5, atol=0)
         engine.destroy()

@@ -19,7 +19,7 @@ import zengine
 import zpartition
 from zcomm.testing import DistributedTest
 
-from ._models import TinyGPT, global_batches
+from ._helpers import TinyGPT, global_batches
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 

@@ -13,7 +13,7 @@ import zcomm
 import zengine
 from zcomm.testing import DistributedTest
 
-from .test_engine import _run
+from ._helpers import run_with_plain
 
 SMALL_BUCKETS = 3000  # elements: TinyGPT's groups go in many buckets, some one parameter big
 
@@ -26,7 +26,7 @@ class TestBuckets(DistributedTest):
     ) -> None:
         # with accumulation: stages 0 and 1 reduce in the last micro-batch's backward only
         zero = {"stage": stage, "reduce_bucket_size": SMALL_BUCKETS, "overlap_comm": overlap}
-        losses, expected = _run(
+        losses, expected = run_with_plain(
             stage, world_size, steps=5, micro=1, accumulation=2, zero_optimization=zero
         )
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)

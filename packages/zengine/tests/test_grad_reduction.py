@@ -16,9 +16,9 @@ import zcomm
 import zengine
 from zcomm.testing import DistributedTest
 
-from ._models import SCALE_SIZES as SIZES
-from ._models import Scale as _Scale
-from ._models import TinyGPT, global_batches
+from ._helpers import SCALE_SIZES as SIZES
+from ._helpers import Scale as _Scale
+from ._helpers import TinyGPT, global_batches
 
 STAGES = pytest.mark.parametrize("stage", [0, 1, 2, 3])
 # each option, and the factors it puts around the sum of W ranks' gradients

@@ -20,7 +20,7 @@ import zoffload
 from zcomm.testing import DistributedTest
 from zengine._offload import IdleTrimmer, zero_releasing_pages
 
-from ._models import TinyGPT, global_batches
+from ._helpers import TinyGPT, global_batches
 
 try:
     ctypes.CDLL(None).malloc_trim  # noqa: B018

@@ -17,7 +17,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zengine.config import DEFAULT_LEAF_MODULE_CLASSES, LeafModuleConfig, ZeroConfig
 
-from ._models import Block, TinyGPT, global_batches, plain_losses
+from ._helpers import Block, TinyGPT, global_batches, plain_losses
 
 LR = 1e-2
 

@@ -23,7 +23,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zengine._checkpoint import SafetensorsWriter
 
-from ._models import HIDDEN, TinyGPT, global_batches, plain_losses
+from ._helpers import HIDDEN, TinyGPT, global_batches, plain_losses
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 SOME = pytest.mark.parametrize("world_size", [1, 2])

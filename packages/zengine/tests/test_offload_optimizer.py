@@ -18,7 +18,7 @@ import zengine
 import zoffload
 from zcomm.testing import DistributedTest
 
-from ._models import TinyGPT, global_batches, plain_losses
+from ._helpers import TinyGPT, global_batches, plain_losses
 
 LR = 1e-2
 

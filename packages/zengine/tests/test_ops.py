@@ -16,8 +16,7 @@ from zengine.ops.adagrad import DeepSpeedCPUAdagrad
 from zengine.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from zengine.ops.lion import DeepSpeedCPULion, FusedLion
 
-from ._models import TinyGPT, global_batches, plain_losses
-from .test_engine import LR, _config, _train
+from ._helpers import LR, TinyGPT, engine_config, global_batches, plain_losses, train_engine
 
 
 def _steps(make: Callable[[list[torch.nn.Parameter]], Any], steps: int = 5) -> torch.Tensor:
@@ -106,14 +105,14 @@ class TestAsTheEnginesOptimizer(DistributedTest):
         zero: dict[str, Any] = {"stage": stage}
         if offload:
             zero["offload_optimizer"] = {"device": "cpu"}
-        cfg = _config(stage, zero_optimization=zero)
+        cfg = engine_config(stage, zero_optimization=zero)
         del cfg["optimizer"]
         optimizer = cls(model.parameters(), lr=LR, weight_decay=0.01)
         engine, returned, *_ = zengine.initialize(model=model, optimizer=optimizer, config=cfg)
         assert returned.optimizer is optimizer  # the engine steps the masters with it
         data = global_batches(4, 2 * world_size)
         expected = plain_losses(reference, data, lr=LR)
-        torch.testing.assert_close(_train(engine, data), expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(train_engine(engine, data), expected, rtol=1e-5, atol=0)
         engine.destroy()
 
 
@@ -155,7 +154,7 @@ class TestLionFromTheConfig(DistributedTest):
         torch.manual_seed(0)
         model = TinyGPT()
         reference = copy.deepcopy(model)
-        cfg = _config(
+        cfg = engine_config(
             stage, optimizer={"type": "lion", "params": {"lr": 1e-3, "weight_decay": 0.1}}
         )
         engine, optimizer, *_ = zengine.initialize(model=model, config=cfg)
@@ -169,7 +168,7 @@ class TestLionFromTheConfig(DistributedTest):
             opt.step()
             opt.zero_grad()
             expected.append(loss.item())
-        torch.testing.assert_close(_train(engine, data), expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(train_engine(engine, data), expected, rtol=1e-5, atol=0)
         engine.destroy()
 
 

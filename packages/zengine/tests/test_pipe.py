@@ -1,170 +1,32 @@
-"""PipelineModule: layer specs, partitioning, tied weights, and the pipeline config; with the
-model and the single-process reference the other test_pipe files train against."""
+"""PipelineModule: layer specs, partitioning, tied weights, and the pipeline config (the model
+and the single-process reference the test_pipe files train against are in _helpers.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-import zcomm
 import zengine
 import zpipe
 from zcomm.testing import DistributedTest
-from zengine.pipe import (
-    LayerSpec,
-    PipelineEngine,
-    PipelineError,
-    PipelineModule,
-    TiedLayerSpec,
-    partition_balanced,
-)
+from zengine.pipe import LayerSpec, PipelineError, PipelineModule, partition_balanced
 from zengine.pipe._eager import EagerSends
 from zengine.pipe._partition import partition_layers
 from zengine.pipe._split import SplitBackward
 
-from ._models import HIDDEN, SEQ, VOCAB, Block, plain_losses
-
-LR = 1e-2
-BASE_SEED = 1234
-
-
-# -- the model: an embedding tied to the head, blocks, a norm -----------------------------------
-
-
-def head(embedding: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The output layer: the embedding's weight, transposed."""
-    assert isinstance(embedding, nn.Embedding)
-    return x @ embedding.weight.t()
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
-def specs(blocks: int = 4) -> list[Any]:
-    return [
-        TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN),
-        *[LayerSpec(Block) for _ in range(blocks)],
-        LayerSpec(nn.LayerNorm, HIDDEN),
-        TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=head),
-    ]
-
-
-def pipeline(stages: int, *, chunks: int = 1, blocks: int = 4, **kwargs: Any) -> PipelineModule:
-    return PipelineModule(
-        specs(blocks),
-        num_stages=stages,
-        loss_fn=loss_fn,
-        seed_layers=True,
-        base_seed=BASE_SEED,
-        chunks=chunks,
-        **kwargs,
-    )
-
-
-class Reference(nn.Module):
-    """The same layers in one process, built with the same per-layer seeds."""
-
-    def __init__(self, blocks: int = 4) -> None:
-        super().__init__()
-        layers: list[Any] = []
-        tied: dict[str, nn.Module] = {}
-        for index, spec in enumerate(specs(blocks)):
-            torch.manual_seed(BASE_SEED + index)
-            if isinstance(spec, TiedLayerSpec):
-                module = tied.setdefault(spec.key, spec.build())
-                fn = spec.forward_fn
-                layers.append(module if fn is None else (lambda x, m=module, f=fn: f(m, x)))
-            else:
-                layers.append(spec.build())
-        self.tied = nn.ModuleDict(tied)
-        self.layers = nn.ModuleList(m for m in layers if isinstance(m, nn.Module))
-        self.calls = layers
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x: Any = tokens
-        for layer in self.calls:
-            x = layer(x)
-        assert isinstance(x, torch.Tensor)
-        return x
-
-
-def batches(steps: int, size: int, seed: int = 7) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (size, SEQ), generator=g) for _ in range(steps)]
-
-
-def labels_of(tokens: torch.Tensor) -> torch.Tensor:
-    return tokens.roll(1, dims=1)
-
-
-def reference_losses(
-    data: list[torch.Tensor], *, blocks: int = 4, clip: float = 0.0
-) -> tuple[list[float], Reference]:
-    """What DeepSpeed's "Adam" (AdamW, weight decay 0.01) does in one process."""
-    model = Reference(blocks)
-    return plain_losses(_WithLoss(model), data, lr=LR, clip=clip), model
-
-
-class _WithLoss(nn.Module):
-    """The reference model and the pipeline's loss in one module, as `plain_losses` takes."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = loss_fn(self.model(tokens), labels_of(tokens))
-        return loss
-
-
-def initialize(module: PipelineModule, cfg: dict[str, Any]) -> PipelineEngine:
-    engine, *_ = zengine.initialize(model=module, config=cfg)
-    assert isinstance(engine, PipelineEngine)
-    return engine
-
-
-def config(*, micro: int = 2, accumulation: int = 4, **extra: Any) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accumulation,
-        "steps_per_print": 1000,
-        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01}},
-        **extra,
-    }
-
-
-def micro_batches(
-    tokens: torch.Tensor, accumulation: int, data_parallel: int, rank: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This data-parallel rank's micro-batches of one global batch."""
-    pieces = tokens.view(accumulation, data_parallel, -1, tokens.shape[-1])
-    return iter([(pieces[k, rank], labels_of(pieces[k, rank])) for k in range(accumulation)])
-
-
-def train(engine: PipelineEngine, data: list[torch.Tensor]) -> list[float]:
-    grid = engine.grid
-    accumulation = engine.gradient_accumulation_steps()
-    dp, rank = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
-    return [
-        engine.train_batch(micro_batches(tokens, accumulation, dp, rank)).item() for tokens in data
-    ]
-
-
-def tied_weights_equal(module: PipelineModule) -> bool:
-    """Whether this stage's tied embedding equals the lowest stage's (True where untied)."""
-    if "embed" not in module._tied_groups:
-        return True
-    ranks, group = module._tied_groups["embed"]
-    mine = module.tied_parameters("embed")[0].detach()
-    first = mine.clone()
-    zcomm.broadcast(first, ranks[0], group=group)
-    return torch.equal(first, mine)
-
+from ._helpers import (
+    HIDDEN,
+    SEQ,
+    Block,
+    pipe_config,
+    pipe_initialize,
+    pipeline,
+    specs,
+    tied_weights_equal,
+)
 
 # -- partitioning --------------------------------------------------------------------------------
 
@@ -215,7 +77,7 @@ class TestModule(DistributedTest):
 
     def test_tied_layers_start_equal_and_the_copy_is_named(self) -> None:
         module = pipeline(2)
-        zengine.initialize(model=module, config=config())
+        zengine.initialize(model=module, config=pipe_config())
         assert tied_weights_equal(module)
         copies = module.tied_copies()
         assert len(copies) == (0 if module.stage_id == 0 else 1)
@@ -229,10 +91,10 @@ class TestModule(DistributedTest):
         ]
         for extra, message in cases:
             with pytest.raises(zengine.ConfigError, match=message):
-                zengine.initialize(model=pipeline(2), config=config(**extra))
+                zengine.initialize(model=pipeline(2), config=pipe_config(**extra))
 
     def test_engine_runs_whole_batches_only(self) -> None:
-        engine = initialize(pipeline(2), config())
+        engine = pipe_initialize(pipeline(2), pipe_config())
         with pytest.raises(PipelineError, match=r"call engine\.train_batch"):
             engine(torch.zeros(1))
         assert engine.is_first_stage() == (engine.stage_id == 0)

@@ -20,11 +20,20 @@ from zcomm.testing import DistributedTest
 from zengine import checkpointing
 from zengine.pipe import LayerSpec, PipelineEngine, PipelineModule
 
-from ._models import Block
-from .test_pipe import BASE_SEED, LR, batches, config, initialize, pipeline, reference_losses, train
+from ._helpers import (
+    BASE_SEED,
+    LR,
+    Block,
+    global_batches,
+    pipe_config,
+    pipe_initialize,
+    pipe_reference_losses,
+    pipe_train,
+    pipeline,
+)
 
 STEPS = 3
-MICRO_BATCHES = 4  # config()'s gradient_accumulation_steps
+MICRO_BATCHES = 4  # pipe_config()'s gradient_accumulation_steps
 
 
 def _counting_blocks(module: PipelineModule) -> list[int]:
@@ -44,9 +53,9 @@ def _counting_blocks(module: PipelineModule) -> list[int]:
 
 
 def _trains_as_the_plain_model(engine: PipelineEngine) -> None:
-    data = batches(STEPS, 8)
-    expected, _ = reference_losses(data)
-    torch.testing.assert_close(train(engine, data), expected, rtol=1e-5, atol=0)
+    data = global_batches(STEPS, 8)
+    expected, _ = pipe_reference_losses(data)
+    torch.testing.assert_close(pipe_train(engine, data), expected, rtol=1e-5, atol=0)
 
 
 class TestUseReentrant(DistributedTest):
@@ -58,7 +67,7 @@ class TestUseReentrant(DistributedTest):
         # leave its weight without a gradient; stage 0 runs it as a non-reentrant one instead
         module = pipeline(zcomm.get_world_size())
         cfg = {"activation_checkpoint_interval": 1, "use_reentrant": use_reentrant}
-        engine = initialize(module, config(pipeline=cfg))
+        engine = pipe_initialize(module, pipe_config(pipeline=cfg))
         function = module.activation_checkpoint_func
         if use_reentrant:
             assert function is checkpointing.reentrant_checkpoint
@@ -73,7 +82,9 @@ class TestUseReentrant(DistributedTest):
     def test_unset_is_reentrant(self) -> None:
         # DeepSpeed's default
         module = pipeline(zcomm.get_world_size())
-        engine = initialize(module, config(pipeline={"activation_checkpoint_interval": 2}))
+        engine = pipe_initialize(
+            module, pipe_config(pipeline={"activation_checkpoint_interval": 2})
+        )
         assert module.activation_checkpoint_func is checkpointing.reentrant_checkpoint
         assert engine._reentrant_activation_checkpointing()
         _trains_as_the_plain_model(engine)
@@ -140,8 +151,8 @@ class TestFirstStageInputs(DistributedTest):
             partition_method="uniform",
             activation_checkpoint_interval=2,
         )
-        cfg = config(pipeline={"use_reentrant": use_reentrant})
-        engine = initialize(module, cfg)
+        cfg = pipe_config(pipeline={"use_reentrant": use_reentrant})
+        engine = pipe_initialize(module, cfg)
         g = torch.Generator().manual_seed(3)
         data = [torch.randn(8, width + 1, generator=g) for _ in range(STEPS)]
         losses = [engine.train_batch(_float_micro_batches(b, width)).item() for b in data]
@@ -160,11 +171,11 @@ class TestZeroBubble(DistributedTest):
         # reentrant checkpoint refuses
         module = pipeline(2)
         cfg = {"activation_checkpoint_interval": 1, "schedule": "zero_bubble"}
-        engine = initialize(module, config(pipeline=cfg))
+        engine = pipe_initialize(module, pipe_config(pipeline=cfg))
         assert module.activation_checkpoint_func is checkpointing.non_reentrant_checkpoint
         _trains_as_the_plain_model(engine)
         with pytest.raises(zengine.ConfigError, match="use_reentrant: true with schedule"):
-            initialize(pipeline(2), config(pipeline={**cfg, "use_reentrant": True}))
+            pipe_initialize(pipeline(2), pipe_config(pipeline={**cfg, "use_reentrant": True}))
 
 
 class TestCheckpointInterval(DistributedTest):
@@ -209,7 +220,7 @@ class TestCheckpointInterval(DistributedTest):
 
     def test_the_setter_turns_checkpointing_on_and_off(self) -> None:
         module = pipeline(zcomm.get_world_size())
-        engine = initialize(module, config())
+        engine = pipe_initialize(module, pipe_config())
         assert not engine._reentrant_activation_checkpointing()
         counts = _counting_blocks(module)
         module.set_checkpoint_interval(2)
@@ -224,16 +235,16 @@ class TestCheckpointInterval(DistributedTest):
     def test_the_config_interval_replaces_the_modules_when_positive(self) -> None:
         stages = zcomm.get_world_size()
         kept = pipeline(stages, activation_checkpoint_interval=2)
-        initialize(kept, config(pipeline={"activation_checkpoint_interval": 0}))
+        pipe_initialize(kept, pipe_config(pipeline={"activation_checkpoint_interval": 0}))
         assert kept.activation_checkpoint_interval == 2
         replaced = pipeline(stages, activation_checkpoint_interval=2)
-        initialize(replaced, config(pipeline={"activation_checkpoint_interval": 3}))
+        pipe_initialize(replaced, pipe_config(pipeline={"activation_checkpoint_interval": 3}))
         assert replaced.activation_checkpoint_interval == 3
         assert replaced.is_checkpointable_results_interval == 3
 
 
 def _token_micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    tokens = batches(1, 8)[0]
+    tokens = global_batches(1, 8)[0]
     return [(t, t.roll(1, dims=1)) for t in tokens.chunk(MICRO_BATCHES)]
 
 
@@ -249,8 +260,8 @@ class TestConfigure(DistributedTest):
 
     def _configure_and_train(self) -> None:
         module = pipeline(zcomm.get_world_size())
-        cfg = config(pipeline={"activation_checkpoint_interval": 1})
-        engine = initialize(module, cfg)
+        cfg = pipe_config(pipeline={"activation_checkpoint_interval": 1})
+        engine = pipe_initialize(module, cfg)
         # DeepSpeed's call: the engine's config passed on, the arguments ruling
         checkpointing.configure(
             None,

@@ -19,18 +19,20 @@ from zengine import CheckpointError
 from zengine._checkpoint import CheckpointMismatchError, CorruptCheckpointError
 from zengine.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
 
-from ._models import HIDDEN, VOCAB, Block
-from .test_pipe import (
+from ._helpers import (
     BASE_SEED,
+    HIDDEN,
     LR,
-    batches,
-    config,
+    VOCAB,
+    Block,
+    global_batches,
     head,
-    initialize,
     loss_fn,
+    pipe_config,
+    pipe_initialize,
+    pipe_train,
     pipeline,
     tied_weights_equal,
-    train,
 )
 
 STEPS = 3
@@ -42,7 +44,7 @@ def cfg(data_parallel: int, **extra: Any) -> dict[str, Any]:
     """The same global batch (4 micro-batches of 4 rows) at any data-parallel size, with a
     warm-up schedule (its position must be restored for the losses to match)."""
     schedule = {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 10}
-    return config(
+    return pipe_config(
         micro=4 // data_parallel,
         accumulation=4,
         scheduler={"type": "WarmupLR", "params": schedule},
@@ -51,7 +53,7 @@ def cfg(data_parallel: int, **extra: Any) -> dict[str, Any]:
 
 
 def resumed(module: PipelineModule, data_parallel: int, folder: Path, tag: str) -> PipelineEngine:
-    engine = initialize(module, cfg(data_parallel, zero_optimization={"stage": 1}))
+    engine = pipe_initialize(module, cfg(data_parallel, zero_optimization={"stage": 1}))
     path, client = engine.load_checkpoint(folder, tag=tag)
     assert path is not None
     assert client == {"step": STEPS}
@@ -80,18 +82,18 @@ class TestReshapedLoad(DistributedTest):
         reference); its checkpoint loads into 4x1 (2 -> 4 stages), which saves at once. At 2
         ranks: 4 -> 2 stages, 2x2 -> 2x1, 2 stages -> 1 (x2 data), another partition."""
         folder = tmp_path / "ckpt"
-        data = batches(2 * STEPS, ROWS)
+        data = global_batches(2 * STEPS, ROWS)
         reference_file = tmp_path / "reference.json"
         if zcomm.get_world_size() == 4:
-            engine = initialize(pipeline(2), cfg(2, zero_optimization={"stage": 1}))
-            train(engine, data[:STEPS])
+            engine = pipe_initialize(pipeline(2), cfg(2, zero_optimization={"stage": 1}))
+            pipe_train(engine, data[:STEPS])
             engine.save_checkpoint(folder, tag="two", client_state={"step": STEPS})
-            reference = train(engine, data[STEPS:])
+            reference = pipe_train(engine, data[STEPS:])
             if zcomm.get_rank() == 0:
                 reference_file.write_text(json.dumps(reference))
             four = resumed(pipeline(4), 1, folder, "two")
             four.save_checkpoint(folder, tag="four", client_state={"step": STEPS})
-            expect(train(four, data[STEPS:]), reference)
+            expect(pipe_train(four, data[STEPS:]), reference)
             return
         reference = json.loads(reference_file.read_text())
         cases = [
@@ -102,27 +104,27 @@ class TestReshapedLoad(DistributedTest):
         ]
         for module, data_parallel, tag in cases:
             engine = resumed(module, data_parallel, folder, tag)
-            expect(train(engine, data[STEPS:]), reference)
+            expect(pipe_train(engine, data[STEPS:]), reference)
 
     @pytest.mark.parametrize("world_size", [2])
     def test_fp16_two_stages_to_one(self, world_size: int, tmp_path: Path) -> None:
         """The loss scale and the fp32 masters of fp16 training move to another stage count."""
         folder = tmp_path / "ckpt"
-        data = batches(2 * STEPS, ROWS)
+        data = global_batches(2 * STEPS, ROWS)
         fp16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8}}
-        engine = initialize(pipeline(2), cfg(1, **fp16))
-        train(engine, data[:STEPS])
+        engine = pipe_initialize(pipeline(2), cfg(1, **fp16))
+        pipe_train(engine, data[:STEPS])
         engine.save_checkpoint(folder, client_state={"step": STEPS})
         scale = engine.optimizer.cur_scale
-        reference = train(engine, data[STEPS:])
-        one = initialize(pipeline(1), cfg(2, **fp16))
+        reference = pipe_train(engine, data[STEPS:])
+        one = pipe_initialize(pipeline(1), cfg(2, **fp16))
         _, client = one.load_checkpoint(folder)
         assert client == {"step": STEPS}
         assert one.optimizer.cur_scale == scale
         loaded = state_of(one)
-        torch.testing.assert_close(train(one, data[STEPS:]), reference, rtol=1e-3, atol=0)
+        torch.testing.assert_close(pipe_train(one, data[STEPS:]), reference, rtol=1e-3, atol=0)
         # the weights alone, without the optimizer's state
-        weights = initialize(pipeline(1), cfg(2, **fp16))
+        weights = pipe_initialize(pipeline(1), cfg(2, **fp16))
         weights.load_checkpoint(folder, load_optimizer_states=False)
         assert all(torch.equal(p, loaded[n]) for n, p in state_of(weights).items())
         assert weights.optimizer.optimizer.state == {}
@@ -132,20 +134,20 @@ class TestReshapedLoad(DistributedTest):
         """bf16 training with 2 chunks per stage (interleaved 1F1B: each stage holds two
         non-adjacent runs of layers) loads into 1 chunk per stage, and into 1 stage x 2."""
         folder = tmp_path / "ckpt"
-        data = batches(2 * STEPS, ROWS)
+        data = global_batches(2 * STEPS, ROWS)
         bf16 = {"bf16": {"enabled": True}}
         interleaved = {"pipeline": {"schedule": "interleaved"}, **bf16}
-        engine = initialize(pipeline(2, chunks=2), cfg(1, **interleaved))
-        train(engine, data[:STEPS])
+        engine = pipe_initialize(pipeline(2, chunks=2), cfg(1, **interleaved))
+        pipe_train(engine, data[:STEPS])
         engine.save_checkpoint(folder, client_state={"step": STEPS})
-        reference = train(engine, data[STEPS:])
+        reference = pipe_train(engine, data[STEPS:])
         for module, data_parallel in [(pipeline(2), 1), (pipeline(1), 2)]:
-            other = initialize(module, cfg(data_parallel, **bf16))
+            other = pipe_initialize(module, cfg(data_parallel, **bf16))
             _, client = other.load_checkpoint(folder)
             assert client == {"step": STEPS}
             assert other.global_steps == STEPS
             assert tied_weights_equal(module)
-            got = train(other, data[STEPS:])
+            got = pipe_train(other, data[STEPS:])
             # the same weights: the first loss (before any update) is the reference's; after
             # it, bf16 gradients summed in another order (across replicas) differ a little
             torch.testing.assert_close(got[0], reference[0], rtol=1e-5, atol=0)
@@ -167,12 +169,12 @@ class TestReshapedLoadErrors(DistributedTest):
 
     def test_other_layers_and_a_missing_stage(self, tmp_path: Path) -> None:
         folder = tmp_path / "ckpt"
-        engine = initialize(pipeline(2), cfg(1))
-        train(engine, batches(1, ROWS))
+        engine = pipe_initialize(pipeline(2), cfg(1))
+        pipe_train(engine, global_batches(1, ROWS))
         engine.save_checkpoint(folder, tag="t", client_state={"step": 1})
 
         # another model: a block fewer, so every later layer moves down one index
-        fewer = initialize(pipeline(2, blocks=3), cfg(1))
+        fewer = pipe_initialize(pipeline(2, blocks=3), cfg(1))
         before = state_of(fewer)
         with pytest.raises(CheckpointMismatchError) as error:
             fewer.load_checkpoint(folder, tag="t")
@@ -187,7 +189,7 @@ class TestReshapedLoadErrors(DistributedTest):
         module = PipelineModule(
             _wider_embedding(), num_stages=1, loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED
         )
-        wider = initialize(module, cfg(2))
+        wider = pipe_initialize(module, cfg(2))
         before = state_of(wider)
         with pytest.raises(CheckpointMismatchError) as error:
             wider.load_checkpoint(folder, tag="t")
@@ -201,7 +203,7 @@ class TestReshapedLoadErrors(DistributedTest):
             shutil.rmtree(folder / "stage1" / "t")
         zcomm.barrier()
         for stages in (1, 2):
-            other = initialize(pipeline(stages), cfg(2 // stages))
+            other = pipe_initialize(pipeline(stages), cfg(2 // stages))
             before = state_of(other)
             with pytest.raises(CorruptCheckpointError, match=r"stage1/t does not exist"):
                 other.load_checkpoint(folder, tag="t")
@@ -209,8 +211,8 @@ class TestReshapedLoadErrors(DistributedTest):
 
     def test_a_stage_that_fails_to_load_fails_every_stage(self, tmp_path: Path) -> None:
         folder = tmp_path / "ckpt"
-        engine = initialize(pipeline(2), cfg(1))
-        train(engine, batches(1, ROWS))  # a load would change the weights and the step
+        engine = pipe_initialize(pipeline(2), cfg(1))
+        pipe_train(engine, global_batches(1, ROWS))  # a load would change the weights and the step
         engine.save_checkpoint(folder, tag="t")
         assert json.loads((folder / "pipeline-t.json").read_text())["stages"] == 2
         zcomm.barrier()
@@ -221,7 +223,7 @@ class TestReshapedLoadErrors(DistributedTest):
             victim.write_bytes(bytes(data))
         zcomm.barrier()
         for parts in (OTHER_PARTITION, "parameters"):  # a reshaped load, then the same stages
-            one = initialize(pipeline(2, partition_method=parts), cfg(1))
+            one = pipe_initialize(pipeline(2, partition_method=parts), cfg(1))
             before = state_of(one)
             # stage 1 reads the damaged file; stage 0 (layers 0-1, from stage0/t) is told
             if one.stage_id == 1:

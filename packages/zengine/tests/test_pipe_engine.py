@@ -14,15 +14,15 @@ import zengine
 from zcomm.testing import DistributedTest
 from zengine.pipe import PipelineEngine, PipelineModule, TiedLayerSpec
 
-from .test_pipe import (
-    batches,
-    config,
-    initialize,
+from ._helpers import (
+    global_batches,
     micro_batches,
+    pipe_config,
+    pipe_initialize,
+    pipe_reference_losses,
+    pipe_train,
     pipeline,
-    reference_losses,
     tied_weights_equal,
-    train,
 )
 
 STEPS = 10
@@ -37,13 +37,13 @@ def _run(
     steps: int = STEPS,
     **extra: Any,
 ) -> tuple[list[float], list[float], PipelineEngine]:
-    cfg = config(pipeline={"schedule": schedule}, **extra)
+    cfg = pipe_config(pipeline={"schedule": schedule}, **extra)
     module = pipeline(stages, chunks=chunks)
-    engine = initialize(module, cfg)
+    engine = pipe_initialize(module, cfg)
     size = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
-    data = batches(steps, size * data_parallel)
-    expected, _ = reference_losses(data, clip=float(extra.get("gradient_clipping", 0.0)))
-    return train(engine, data), expected, engine
+    data = global_batches(steps, size * data_parallel)
+    expected, _ = pipe_reference_losses(data, clip=float(extra.get("gradient_clipping", 0.0)))
+    return pipe_train(engine, data), expected, engine
 
 
 class TestParity(DistributedTest):
@@ -61,25 +61,27 @@ class TestParity(DistributedTest):
         assert engine.link.received_ahead > 0  # gloo: receives posted before they are asked for
 
     def test_set_train_batch_size_runs_more_micro_batches(self) -> None:
-        cfg = config(accumulation=2)
-        engine = initialize(pipeline(2), cfg)
-        data = batches(2, 4) + batches(2, 8, seed=8)
-        losses = train(engine, data[:2])
+        cfg = pipe_config(accumulation=2)
+        engine = pipe_initialize(pipeline(2), cfg)
+        data = global_batches(2, 4) + global_batches(2, 8, seed=8)
+        losses = pipe_train(engine, data[:2])
         engine.set_train_batch_size(8)
         assert engine.micro_batches == 4
-        losses += train(engine, data[2:])
-        expected, _ = reference_losses(data)
+        losses += pipe_train(engine, data[2:])
+        expected, _ = pipe_reference_losses(data)
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
 
     def test_schedules_as_written(self) -> None:
         # what NCCL runs: the sends where the schedule puts them, not moved up, and each
         # receive posted when the schedule asks for it
-        data = batches(3, 8)
-        expected, _ = reference_losses(data)
+        data = global_batches(3, 8)
+        expected, _ = pipe_reference_losses(data)
         for schedule, chunks in [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1), ("interleaved", 2)]:
-            engine = initialize(pipeline(2, chunks=chunks), config(pipeline={"schedule": schedule}))
+            engine = pipe_initialize(
+                pipeline(2, chunks=chunks), pipe_config(pipeline={"schedule": schedule})
+            )
             engine.eager_sends = engine.receive_ahead = False
-            torch.testing.assert_close(train(engine, data), expected, rtol=1e-5, atol=0)
+            torch.testing.assert_close(pipe_train(engine, data), expected, rtol=1e-5, atol=0)
             assert engine.link.received_ahead == 0
             assert engine.eval_batch(micro_batches(data[0], 4, 1, 0)).isfinite()
 
@@ -123,11 +125,11 @@ class TestParity(DistributedTest):
     def test_activation_checkpointing(self, schedule: str) -> None:
         cfg = {"activation_checkpoint_interval": 1, "schedule": schedule}
         module = pipeline(2)
-        engine = initialize(module, config(pipeline=cfg))
+        engine = pipe_initialize(module, pipe_config(pipeline=cfg))
         assert module.activation_checkpoint_interval == 1
-        data = batches(4, 8)
-        expected, _ = reference_losses(data)
-        torch.testing.assert_close(train(engine, data), expected, rtol=1e-5, atol=0)
+        data = global_batches(4, 8)
+        expected, _ = pipe_reference_losses(data)
+        torch.testing.assert_close(pipe_train(engine, data), expected, rtol=1e-5, atol=0)
 
     @pytest.mark.parametrize("precision", ["bf16", "fp16"])
     def test_half_precision_follows_fp32(self, precision: str) -> None:
@@ -187,7 +189,7 @@ class TestAccumulationDtype(DistributedTest):
         }
         if accumulate is not None:
             cfg["data_types"] = {"grad_accum_dtype": accumulate}
-        engine = initialize(module, cfg)
+        engine = pipe_initialize(module, cfg)
         xs = [1.0, 2.0**-9, 2.0**-9, 2.0**-9]
         engine.train_batch(iter([(torch.tensor([[x]]).bfloat16(), torch.zeros(1)) for x in xs]))
         master = zengine.safe_get_full_fp32_param(module.tied_parameters("w")[0])

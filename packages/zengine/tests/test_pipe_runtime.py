@@ -20,19 +20,20 @@ import zpipe
 from zcomm.testing import DistributedTest
 from zengine.pipe import LayerSpec, PipelineEngine, PipelineError, PipelineModule
 
-from ._models import HIDDEN, VOCAB
-from .test_pipe import (
+from ._helpers import (
     BASE_SEED,
+    HIDDEN,
     LR,
-    batches,
-    config,
-    initialize,
+    VOCAB,
+    global_batches,
     labels_of,
     loss_fn,
     micro_batches,
+    pipe_config,
+    pipe_initialize,
+    pipe_reference_losses,
+    pipe_train,
     pipeline,
-    reference_losses,
-    train,
 )
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -124,12 +125,12 @@ class TestPayloads(DistributedTest):
                 seed_layers=True,
                 base_seed=BASE_SEED,
             )
-            cfg = config(pipeline={"schedule": schedule})
-            engine = initialize(module, cfg)
+            cfg = pipe_config(pipeline={"schedule": schedule})
+            engine = pipe_initialize(module, cfg)
             # two batches of sequence length 8, then two of 5: shapes go out twice
-            data = batches(2, 8) + [t[:, :5] for t in batches(2, 8, seed=3)]
+            data = global_batches(2, 8) + [t[:, :5] for t in global_batches(2, 8, seed=3)]
             torch.testing.assert_close(
-                train(engine, data), _nest_reference(data), rtol=1e-5, atol=0
+                pipe_train(engine, data), _nest_reference(data), rtol=1e-5, atol=0
             )
             assert engine.link.metas_sent == (2 if engine.stage_id == 0 else 0)
 
@@ -138,7 +139,7 @@ class TestData(DistributedTest):
     world_size = 2
 
     def test_training_data_feeds_train_batch(self) -> None:
-        tokens = batches(1, 32)[0]
+        tokens = global_batches(1, 32)[0]
         dataset = TensorDataset(tokens, labels_of(tokens))
         losses = []
         first: DataLoader[Any] | None = None  # the first engine's loader
@@ -146,7 +147,7 @@ class TestData(DistributedTest):
             module = pipeline(2)
             engine, _, loader, _ = zengine.initialize(
                 model=module,
-                config=config(),
+                config=pipe_config(),
                 training_data=None if explicit == "set_dataloader" else dataset,
             )
             assert isinstance(engine, PipelineEngine)
@@ -194,8 +195,8 @@ class TestEval(DistributedTest):
     def test_eval_batch_is_the_forward_loss(self, chunks: int) -> None:
         schedule = "interleaved" if chunks > 1 else "1f1b"
         module = pipeline(2, chunks=chunks)
-        engine = initialize(module, config(pipeline={"schedule": schedule}))
-        data = batches(1, 8)
+        engine = pipe_initialize(module, pipe_config(pipeline={"schedule": schedule}))
+        data = global_batches(1, 8)
         loss, outputs = engine.eval_batch(micro_batches(data[0], 4, 1, 0), return_logits=True)
         reference = _untrained_loss(data[0])
         torch.testing.assert_close(loss.item(), reference, rtol=1e-5, atol=0)
@@ -209,11 +210,11 @@ class TestEval(DistributedTest):
         if engine.is_last_stage():
             torch.testing.assert_close(logits, outputs)
         # training after evaluating starts from the same weights
-        assert train(engine, data)[0] == pytest.approx(reference, rel=1e-5)
+        assert pipe_train(engine, data)[0] == pytest.approx(reference, rel=1e-5)
 
 
 def _untrained_loss(tokens: torch.Tensor) -> float:
-    _, model = reference_losses([])
+    _, model = pipe_reference_losses([])
     with torch.no_grad():
         return float(loss_fn(model(tokens), labels_of(tokens)))
 
@@ -230,7 +231,7 @@ class TestFailures(DistributedTest):
         module = PipelineModule(
             layers, num_stages=world_size, partition_method=bounds, loss_fn=nn.functional.mse_loss
         )
-        engine = initialize(module, config())
+        engine = pipe_initialize(module, pipe_config())
         x = torch.randn(2, HIDDEN)
         with pytest.raises(PipelineError) as caught:
             engine.train_batch(iter([(x, x)] * 4))
@@ -242,10 +243,10 @@ class TestFailures(DistributedTest):
             assert f"stage {engine.stage_id} stopped in" in message
 
     def test_stages_that_do_not_fit_together(self) -> None:
-        engine = initialize(pipeline(2), config())
+        engine = pipe_initialize(pipeline(2), pipe_config())
         engine.train_schedule_cls = Swapped
         with pytest.raises(PipelineError) as caught:
-            engine.train_batch(micro_batches(batches(1, 8)[0], 4, 1, 0))
+            engine.train_batch(micro_batches(global_batches(1, 8)[0], 4, 1, 0))
         message = str(caught.value)
         assert "stage 1, RecvActivation(buffer_id=0) of micro-batch 1: expected an activation" in (
             message
@@ -257,9 +258,9 @@ class TestFailures(DistributedTest):
     def test_ranks_that_disagree_on_the_schedule(self) -> None:
         module = pipeline(2)
         mine = "1f1b" if module.stage_id == 0 else "gpipe"
-        engine = initialize(module, config(pipeline={"schedule": mine}))
+        engine = pipe_initialize(module, pipe_config(pipeline={"schedule": mine}))
         with pytest.raises(PipelineError, match="the ranks disagree on the schedule") as caught:
-            engine.train_batch(micro_batches(batches(1, 8)[0], 4, 1, 0))
+            engine.train_batch(micro_batches(global_batches(1, 8)[0], 4, 1, 0))
         other = 1 - engine.stage_id
         assert f"stage {other} runs" in str(caught.value)
         assert "at step" in str(caught.value)
