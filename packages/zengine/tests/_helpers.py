@@ -2,10 +2,11 @@
 PyTorch runs they are compared with, and the engine, checkpoint and pipeline set-ups that more
 than one test file trains with. ``_restart_job.py`` (a torchrun script) imports it by path.
 
-Sections: the model and the data; the engine (`engine_config`, `train_engine`,
-`run_with_plain`); checkpoints (`checkpoint_config`, `checkpoint_engine`, `train_global`,
-`file_size_limit`); the pipeline (`pipeline`, `pipe_config`, `pipe_initialize`, `pipe_train`,
-`PipeReference`, `pipe_reference_losses`).
+Sections: the model and the data, with plain PyTorch's fp32 training (`plain_losses`) and
+mixed-precision training (`mixed_precision_losses`); the engine (`engine_config`,
+`train_engine`, `run_with_plain`); checkpoints (`checkpoint_config`, `checkpoint_engine`,
+`train_global`, `file_size_limit`); the pipeline (`pipeline`, `pipe_config`, `pipe_initialize`,
+`pipe_train`, `PipeReference`, `pipe_reference_losses`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import copy
 import resource
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +81,88 @@ def plain_losses(
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def mixed_precision_losses(
+    model: nn.Module,
+    data: list[torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    world: int = 1,
+    accumulation: int = 1,
+    accumulate_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    fp16: dict[str, Any] | None = None,
+    tied: Sequence[tuple[nn.Parameter, nn.Parameter]] = (),
+    lr: float = LR,
+) -> tuple[list[float], list[torch.Tensor]]:
+    """What DeepSpeed's bf16 and fp16 modes compute, in plain PyTorch, one process playing the
+    `world` data-parallel ranks in turn. `model` (fp32, left as it is) returns the loss.
+
+    A copy of `model` in `dtype` runs each forward and backward; fp32 masters, the half
+    weights widened, are stepped by fused AdamW (DeepSpeed's "Adam", weight decay 0.01) and
+    cast back into it. Each rank's micro-batch ``k`` is ``batch.view(accumulation, world, -1,
+    seq)[k, rank]``; its loss, times ``scale / accumulation``, is backpropagated and its
+    gradients summed over the micro-batches in `accumulate_dtype` (default `dtype`). The two
+    copies of each `tied` weight (a pipeline's stages hold one each) then have their sums
+    added together; the ranks' gradients are cast to `reduce_dtype` (default `dtype`) and
+    averaged in it, rank by rank (a sum, then a division: gloo's average); widened to fp32 and
+    divided by the loss scale, they step the masters. fp16: `fp16` is the config's section;
+    ``loss_scale`` > 0 is a static scale, 0 DeepSpeed's dynamic one (``initial_scale_power``,
+    ``hysteresis``; an inf or NaN gradient skips the step, the raise after
+    ``loss_scale_window`` clean steps is left out). Returns each step's loss (the mean of its
+    micro-batches' fp32 losses over the ranks) and the masters, in parameter order."""
+    half = copy.deepcopy(model).to(dtype)
+    params = list(half.parameters())
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    ties = [(index[id(a)], index[id(b)]) for a, b in tied]
+    masters = [p.detach().float() for p in params]
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=0.01, fused=True)
+    section = fp16 or {}
+    scale = 1.0
+    dynamic, hysteresis = False, 1
+    if dtype == torch.float16:
+        dynamic = not section.get("loss_scale", 0)
+        scale = 2.0 ** section.get("initial_scale_power", 16) if dynamic else section["loss_scale"]
+        hysteresis = section.get("hysteresis", 2)
+    losses = []
+    for batch in data:
+        pieces = batch.view(accumulation, world, -1, batch.shape[-1])
+        seen: list[torch.Tensor] = []
+        ranks: list[list[torch.Tensor]] = []
+        for rank in range(world):
+            sums = [torch.zeros_like(p, dtype=accumulate_dtype or dtype) for p in params]
+            for k in range(accumulation):
+                loss = half(pieces[k, rank])
+                (loss.float() * (scale / accumulation)).backward()
+                seen.append(loss.detach().float())
+                for i, p in enumerate(params):
+                    assert p.grad is not None
+                    sums[i] += p.grad
+                    p.grad = None
+            for a, b in ties:
+                sums[a] = sums[b] = sums[a] + sums[b]
+            ranks.append([s.to(reduce_dtype or dtype) for s in sums])
+        grads = ranks[0]
+        for other in ranks[1:]:
+            grads = [g + h for g, h in zip(grads, other, strict=True)]
+        if world > 1:
+            grads = [g / world for g in grads]
+        losses.append(torch.stack(seen).mean().item())
+        if not all(bool(g.isfinite().all()) for g in grads):  # skipped; fp16 scales down
+            if dynamic and hysteresis == 1:
+                scale = max(scale / 2, section.get("min_loss_scale", 1.0))
+            elif dynamic:
+                hysteresis -= 1
+            continue
+        for master, grad in zip(masters, grads, strict=True):
+            master.grad = grad.float() if scale == 1.0 else grad.float() * (1.0 / scale)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, master in zip(params, masters, strict=True):
+                p.copy_(master)
+    return losses, masters
 
 
 # uneven: partitions and shards straddle parameters, padding on the last rank
@@ -250,30 +333,48 @@ def pipeline(stages: int, *, chunks: int = 1, blocks: int = 4, **kwargs: Any) ->
 
 
 class PipeReference(nn.Module):
-    """The same layers in one process, built with the same per-layer seeds."""
+    """The same layers in one process, built with the same per-layer seeds. With `copies`,
+    a tied layer's later uses are copies of their own, as the stages hold one each; `tied`
+    pairs each copy's weights with the first's (`mixed_precision_losses` sums their
+    gradients, as ``ReduceTiedGrads`` does)."""
 
-    def __init__(self, blocks: int = 4) -> None:
+    def __init__(self, blocks: int = 4, *, copies: bool = False) -> None:
         super().__init__()
-        layers: list[Any] = []
-        tied: dict[str, nn.Module] = {}
+        layers: list[nn.Module] = []
+        first: dict[str, nn.Module] = {}
+        self.tied: list[tuple[nn.Parameter, nn.Parameter]] = []
         for index, spec in enumerate(specs(blocks)):
             torch.manual_seed(BASE_SEED + index)
+            module = spec.build()
             if isinstance(spec, TiedLayerSpec):
-                module = tied.setdefault(spec.key, spec.build())
-                fn = spec.forward_fn
-                layers.append(module if fn is None else (lambda x, m=module, f=fn: f(m, x)))
-            else:
-                layers.append(spec.build())
-        self.tied = nn.ModuleDict(tied)
-        self.layers = nn.ModuleList(m for m in layers if isinstance(m, nn.Module))
-        self.calls = layers
+                if spec.key not in first:
+                    first[spec.key] = module
+                elif copies:
+                    module = copy.deepcopy(first[spec.key])
+                    self.tied += zip(first[spec.key].parameters(), module.parameters(), strict=True)
+                else:
+                    module = first[spec.key]
+                if spec.forward_fn is not None:
+                    module = _Applied(module, spec.forward_fn)
+            layers.append(module)
+        self.layers = nn.ModuleList(layers)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x: Any = tokens
-        for layer in self.calls:
+        x = tokens
+        for layer in self.layers:
             x = layer(x)
-        assert isinstance(x, torch.Tensor)
         return x
+
+
+class _Applied(nn.Module):
+    """A tied layer used through its ``forward_fn``."""
+
+    def __init__(self, module: nn.Module, fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.module, self.fn = module, fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.module, x)
 
 
 class WithLoss(nn.Module):

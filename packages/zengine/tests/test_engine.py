@@ -17,6 +17,7 @@ from ._helpers import (
     TinyGPT,
     engine_config,
     global_batches,
+    mixed_precision_losses,
     plain_losses,
     run_with_plain,
     train_engine,
@@ -65,10 +66,43 @@ class TestParity(DistributedTest):
     @pytest.mark.parametrize("world_size", [2])
     @pytest.mark.parametrize("stage", [1, 3])
     @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-    def test_half_precision_follows_fp32(self, world_size: int, stage: int, precision: str) -> None:
-        half = {precision: {"enabled": True, **({"loss_scale": 0} if precision == "fp16" else {})}}
-        losses, expected = run_with_plain(stage, world_size, steps=6, **half)
-        torch.testing.assert_close(losses, expected, rtol=3e-2, atol=0)
+    def test_half_precision_is_deepspeeds_mixed_precision(
+        self, world_size: int, stage: int, precision: str
+    ) -> None:
+        # against `mixed_precision_losses`: the model in the half dtype, fp32 masters, the
+        # gradients averaged across the ranks in the half dtype (a sum, then halved), widened
+        # and unscaled in fp32. fp16's dynamic scale starts where the first steps overflow:
+        # one overflow spends the hysteresis, the next halves the scale, the rest step.
+        # Bit-exact on CPU (gloo): the same kernels on the same shapes; two ranks' sum is one
+        # rounding whatever the order (four ranks' would round by gloo's order); torch's fused
+        # AdamW steps each element alone, so flat partitions step as the whole tensors do.
+        half: dict[str, Any] = {"enabled": True}
+        if precision == "fp16":
+            half |= {"loss_scale": 0, "initial_scale_power": 18}
+        torch.manual_seed(0)
+        model = TinyGPT()
+        reference = copy.deepcopy(model)
+        cfg = engine_config(stage)
+        cfg[precision] = half
+        engine, *_ = zengine.initialize(model=model, config=cfg)
+        data = global_batches(6, 2 * world_size)
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        expected, masters = mixed_precision_losses(
+            reference, data, dtype, world=world_size, fp16=half if precision == "fp16" else None
+        )
+        torch.testing.assert_close(train_engine(engine, data), expected, rtol=0, atol=0)
+        assert engine.skipped_steps == (2 if precision == "fp16" else 0)
+        found = [_full(p) for p in model.parameters()]
+        same = all(torch.equal(a, b) for a, b in zip(found, masters, strict=True))
+        if (precision, stage) == ("fp16", 3):
+            # A departure from DeepSpeed: at stage 3 the gradient partition is fp16, and the
+            # step unscales it there (ZeroOptimizer.step's grads.mul_) before widening it,
+            # where DeepSpeed's stage 3 widens first (_prepare_fp32_grad_for_sub_group, then
+            # unscale_and_clip_grads): gradients under 2**-14 once unscaled lose bits as fp16
+            # subnormals. The losses agree; a few masters differ in their last bits.
+            assert not same, "stage-3 fp16 unscales in fp32 now: drop this expected failure"
+            pytest.xfail("ZeRO-3 fp16 unscales (and clips) the gradients in fp16")
+        assert same
 
 
 class TestSteps(DistributedTest):

@@ -15,8 +15,11 @@ from zcomm.testing import DistributedTest
 from zengine.pipe import PipelineEngine, PipelineModule, TiedLayerSpec
 
 from ._helpers import (
+    PipeReference,
+    WithLoss,
     global_batches,
     micro_batches,
+    mixed_precision_losses,
     pipe_config,
     pipe_initialize,
     pipe_reference_losses,
@@ -132,12 +135,41 @@ class TestParity(DistributedTest):
         torch.testing.assert_close(pipe_train(engine, data), expected, rtol=1e-5, atol=0)
 
     @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-    def test_half_precision_follows_fp32(self, precision: str) -> None:
-        scale = {"loss_scale": 0, "initial_scale_power": 8} if precision == "fp16" else {}
-        half: dict[str, Any] = {precision: {"enabled": True, **scale}}
-        losses, expected, engine = _run(2, steps=6, **half)
-        torch.testing.assert_close(losses, expected, rtol=3e-2, atol=0)
+    def test_half_precision_is_deepspeeds_mixed_precision(self, precision: str) -> None:
+        # against `mixed_precision_losses` with the tied embedding in two copies, as the two
+        # stages hold it: each micro-batch's half gradients summed in the accumulation dtype
+        # (fp32 for bf16, DeepSpeed's BF16_Optimizer at ZeRO stage 0; fp16 for fp16), the
+        # copies' sums added (ReduceTiedGrads), cast to the communication dtype (the half
+        # one) for the reduction over the one data-parallel rank, then stepped in fp32.
+        # Bit-exact on CPU: the same kernels on the same shapes, the same sums in the same
+        # order.
+        half: dict[str, Any] = {"enabled": True}
+        if precision == "fp16":
+            half |= {"loss_scale": 0, "initial_scale_power": 8}
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        cfg = pipe_config(**{precision: half})
+        engine = pipe_initialize(pipeline(2), cfg)
+        data = global_batches(6, 2 * 4)
+        model = PipeReference(copies=True)
+        expected, masters = mixed_precision_losses(
+            WithLoss(model),
+            data,
+            dtype,
+            accumulation=4,
+            accumulate_dtype=torch.float32 if precision == "bf16" else None,
+            fp16=half if precision == "fp16" else None,
+            tied=model.tied,
+        )
+        torch.testing.assert_close(pipe_train(engine, data), expected, rtol=0, atol=0)
         assert next(engine.module.parameters()).dtype == engine.config.dtype
+        # this stage's masters are its layers' in the reference (both copies of the tied one)
+        want = dict(zip((n for n, _ in model.named_parameters()), masters, strict=True))
+        for name, p in engine.module.named_parameters():
+            key = "layers.0.weight" if name.startswith("tied_modules.") else f"layers.{name}"
+            master = zengine.safe_get_full_fp32_param(p)
+            assert master is not None
+            assert torch.equal(master, want[key]), name
+        assert torch.equal(want["layers.0.weight"], want["layers.6.module.weight"])
 
 
 class Scale(nn.Module):
