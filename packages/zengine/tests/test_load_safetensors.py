@@ -23,7 +23,7 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zengine._checkpoint import SafetensorsWriter
 
-from ._helpers import HIDDEN, TinyGPT, global_batches, plain_losses
+from ._helpers import HIDDEN, TinyGPT, global_batches, mixed_precision_losses, plain_losses
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 SOME = pytest.mark.parametrize("world_size", [1, 2])
@@ -335,7 +335,10 @@ class TestEngine(DistributedTest):
         plain.load_state_dict(tensors)
         rank, world = zcomm.get_rank(), zcomm.get_world_size()
         data = global_batches(4, 2 * world)
-        expected = plain_losses(plain, data, lr=1e-2)
+        if precision == "fp32":
+            expected = plain_losses(plain, data, lr=1e-2)
+        else:
+            expected, _ = mixed_precision_losses(plain, data, torch.bfloat16, world=world)
         losses = []
         for tokens in data:
             loss = engine(tokens.view(world, 2, -1)[rank])
@@ -344,7 +347,10 @@ class TestEngine(DistributedTest):
             mean = loss.detach().float()
             zcomm.all_reduce(mean, op=zcomm.ReduceOp.AVG)
             losses.append(mean.item())
-        rtol = 1e-5 if precision == "fp32" else 3e-2  # bf16: as the engine's parity tests
+        # bf16 against DeepSpeed's mixed precision (`mixed_precision_losses`): bit-exact on
+        # one or two ranks; four ranks' bf16 gradient sums round in gloo's order, not the
+        # reference's rank order (measured: 4e-4 apart at most)
+        rtol = {"fp32": 1e-5, "bf16": 0.0 if world <= 2 else 2e-3}[precision]
         torch.testing.assert_close(losses, expected, rtol=rtol, atol=0)
 
 
