@@ -147,7 +147,8 @@ class TestParity(DistributedTest):
         if precision == "fp16":
             half |= {"loss_scale": 0, "initial_scale_power": 8}
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-        cfg = pipe_config(**{precision: half})
+        cfg = pipe_config()
+        cfg[precision] = half
         engine = pipe_initialize(pipeline(2), cfg)
         data = global_batches(6, 2 * 4)
         model = PipeReference(copies=True)
