@@ -1,6 +1,6 @@
 """The compatibility package's tests import two kinds of helpers by top-level name: DeepSpeed's
 test helpers that its own tests import unchanged (``unit.common``, ``unit.simple_model``,
-``utils``), and this folder's (``_scan``, ``_hf``).
+``utils``), and this folder's (``_helpers``, which the torchrun scripts import too).
 
 DeepSpeed's ``test_offload_states.py`` (a seed, kept unchanged) measures accelerator memory on
 two ranks: it runs where two CUDA devices are visible and is skipped elsewhere.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from _hf import save_tiny_model, torchrun
+from _helpers import save_tiny_model, torchrun
 
 STAGES = ["zero2", "zero3"]
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import zcomm
 import zpartition
-from _hf import VOCAB, tiny_config
+from _helpers import VOCAB, tiny_config
 from zcomm.testing import DistributedTest
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import deepspeed
 import zpartition
-from _hf import VOCAB, tiny_config
+from _helpers import VOCAB, tiny_config
 from unit.common import DistributedTest
 
 WORLD_SIZES = [1, 2, 4]

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from _hf import save_tiny_model, token_batches, torchrun
+from _helpers import save_tiny_model, token_batches, torchrun
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from _hf import save_tiny_model, torchrun
+from _helpers import save_tiny_model, torchrun
 
 STEPS = 4  # optimizer steps, each over 2 micro-batches per rank (gradient accumulation)
 

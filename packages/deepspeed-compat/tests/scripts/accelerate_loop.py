@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 import transformers
-from _scenario import TokenDataset, use_deepspeed_state, write_result
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests folder
+from _helpers import TokenDataset, use_deepspeed_state, write_result
 
 RUN_DIR, MODEL_DIR = Path(sys.argv[1]), Path(sys.argv[2])
 ACCUMULATION = 2
