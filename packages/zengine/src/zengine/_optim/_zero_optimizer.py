@@ -65,6 +65,12 @@ class _Tile:
     stepped: list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def _widened(grad: torch.Tensor, factor: float) -> torch.Tensor:
+    """A half-precision gradient in fp32, times `factor` (the unscale and the clip)."""
+    wide = grad.float()
+    return wide.mul_(factor) if factor != 1.0 else wide
+
+
 class ZeroOptimizer(DeepSpeedViews):
     """What ``engine.optimizer`` is: the wrapped torch optimizer over the flat partitions.
 
@@ -237,13 +243,16 @@ class ZeroOptimizer(DeepSpeedViews):
         factor = 1.0 / scale
         if self.clip > 0 and norm > self.clip:
             factor *= self.clip / (norm + 1e-6)
-        if factor != 1.0:
+        low = grads.dtype != torch.float32
+        if factor != 1.0 and not low:
             grads.mul_(factor)
-        self._step_tiles(low=grads.dtype != torch.float32)
+        # half-precision gradients are unscaled once widened, as DeepSpeed's stage 3 does: in
+        # fp16, those under 2**-14 once unscaled would lose bits as subnormals
+        self._step_tiles(low=low, factor=factor)
         self.clear_grads()
         return True
 
-    def _step_tiles(self, *, low: bool) -> None:
+    def _step_tiles(self, *, low: bool, factor: float = 1.0) -> None:
         """[Note: tiled steps]
         The torch optimizer steps a few parameters' masters at a time (``sub_group_size``
         shard elements, whole zpartition units; DeepSpeed's sub-groups): the others have no
@@ -267,7 +276,7 @@ class ZeroOptimizer(DeepSpeedViews):
             self.layout.before_step(tile.params)
             if regrad:
                 for tensor, grad in tile.stepped:
-                    tensor.grad = grad.float() if low else grad
+                    tensor.grad = _widened(grad, factor) if low else grad
             self.optimizer.step()
             if regrad:
                 for tensor, _ in tile.stepped:
