@@ -51,7 +51,9 @@ class Channel:
     """The process group of one partitioned model, with agreement before each batch."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
+        # Weakly: `zpartition._gather` keeps a channel for as long as its group lives, keyed
+        # weakly by the group, which a strong reference from here would keep alive for good.
+        self._group = None if group is None else weakref.ref(group)
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()
@@ -68,6 +70,18 @@ class Channel:
         self._param_ids = itertools.count()
         self.live_numel = 0  # elements of non-persistent parameters gathered or in flight now
         self.peak_live_numel = 0  # the most there ever were; `reset_peak` starts over
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None: the world)."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise ZeroParamError(
+                "the process group these parameters are partitioned across was destroyed"
+            )
+        return group
 
     def next_unit_id(self) -> int:
         return next(self._unit_ids)

@@ -5,12 +5,14 @@ the explicit gather and release behind ``param.all_gather()``, ``param.partition
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from zpartition._channel import Channel, Kind
+from zpartition._errors import ZeroParamError
 from zpartition._param import ZeroParameter
 from zpartition._shard import check_bound
 from zpartition._status import ZeroParamStatus
@@ -29,17 +31,23 @@ __all__ = [
 # stays gathered until the matching release, whatever the hooks do meanwhile.
 EXPLICIT = -1
 
-_channels: dict[object, Channel] = {}  # keyed by group (None: the world); one per group
+# The channel of each process group (the world's under its group object), for exactly as long as
+# the group lives: the keys are weak, so an entry goes when its group does (torch holds a group
+# until destroy_process_group; a new world is a new object) and never before, since a group's
+# ds_id and unit-id counters must go on counting, the same on every rank, while it is in use.
+_channels: weakref.WeakKeyDictionary[dist.ProcessGroup, Channel] = weakref.WeakKeyDictionary()
 
 
 def channel_for(group: dist.ProcessGroup | None) -> Channel:
     """The channel of `group`, made on first use (every rank of the group gets the same one)."""
-    key = group if group is not None else dist.group.WORLD  # a new world gets new channels
+    if group is not None and dist.get_rank(group) < 0:  # new_group's handle for ranks outside
+        raise ZeroParamError("this rank is not in the process group to partition across")
+    key = group if group is not None else dist.group.WORLD
+    if key is None:
+        raise ZeroParamError("torch.distributed is not started (zcomm.init_distributed())")
     channel = _channels.get(key)
     if channel is None:
-        channel = Channel(group)
-        _channels.clear() if len(_channels) > 64 else None  # groups of torn-down worlds
-        _channels[key] = channel
+        channel = _channels[key] = Channel(group)
     return channel
 
 

@@ -280,7 +280,12 @@ class Unit:
         self._wire_plan: list[tuple[torch.Tensor, int, int, torch.dtype | None]] = []
         if self.direct:
             self.full = self.shard
-            self.views = [p.ds_tensor.view(p.ds_shape) for p in self.params]  # c == n with one rank
+            # views of the plain byte buffer, not of `ds_tensor`: a view holds its base from
+            # C++, where the collector cannot see it, and the base's attributes name this unit
+            self.views = [
+                self.shard[off : off + c * p.element_size()].view(p.dtype).view(p.ds_shape)
+                for p, c, off in zip(self.params, self.chunks, self.offsets, strict=True)
+            ]  # c == n with one rank
             return
         starts, end = [], 0
         for p, c in zip(self.params, self.chunks, strict=True):
