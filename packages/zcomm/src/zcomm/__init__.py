@@ -1,4 +1,4 @@
-"""torch.distributed underneath zstack: process groups, collectives, p2p, topology, accelerator.
+"""torch.distributed underneath zstack: groups, collectives, p2p, nodes, topology, accelerator.
 
 ``import zcomm as dist`` stands in for ``deepspeed.comm``; `get_accelerator` for DeepSpeed's;
 `zcomm.topology` for its pipeline topology; `zcomm.testing` holds the distributed test harness.
@@ -27,6 +27,14 @@ from zcomm._collectives import (
 from zcomm._errors import CommError, CommTimeoutError
 from zcomm._groups import get_axis_group, new_group
 from zcomm._handle import Handle
+from zcomm._nodes import (
+    NodeLayout,
+    TopologyError,
+    inter_node_group,
+    intra_node_group,
+    node_layout,
+    set_node_layout,
+)
 from zcomm._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from zcomm._world import (
     destroy,
@@ -43,8 +51,10 @@ __all__ = [
     "CommOpStats",
     "CommTimeoutError",
     "Handle",
+    "NodeLayout",
     "P2POp",
     "ReduceOp",
+    "TopologyError",
     "__version__",
     "all_gather",
     "all_gather_into_tensor",
@@ -62,14 +72,18 @@ __all__ = [
     "get_world_size",
     "inference_all_reduce",
     "init_distributed",
+    "inter_node_group",
+    "intra_node_group",
     "irecv",
     "is_initialized",
     "isend",
     "log_summary",
     "new_group",
+    "node_layout",
     "recv",
     "reduce",
     "reduce_scatter_tensor",
     "reset_comm_accounting",
     "send",
+    "set_node_layout",
 ]
