@@ -52,9 +52,15 @@ def channel_for(group: dist.ProcessGroup | None) -> Channel:
 
 
 def new_unit(
-    uid: int, name: str, params: Sequence[ZeroParameter], channel: Channel, device: torch.device
+    uid: int,
+    name: str,
+    params: Sequence[ZeroParameter],
+    channel: Channel,
+    device: torch.device,
+    replicate: dist.ProcessGroup | None = None,
 ) -> Unit:
     unit = Unit(uid, name, params, channel, device=device)
+    unit.replicate = replicate
     channel.units[uid] = unit
     return unit
 

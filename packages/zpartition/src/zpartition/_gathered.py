@@ -6,6 +6,7 @@ import types
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zcomm
@@ -83,13 +84,17 @@ class GatheredParameters:
         channel = unit.channel
         channel.agree(Kind.BROADCAST, [p.ds_id for p in self.params])
         src = (
-            torch.distributed.get_global_rank(channel.group, modifier_rank)
+            dist.get_global_rank(channel.group, modifier_rank)
             if channel.group is not None
             else modifier_rank
         )
+        replicate = unit.replicate  # replica 0's modifier's values: [Note: hybrid sharding]
+        first = dist.get_global_rank(replicate, 0) if replicate is not None else -1
         for p in self.params:
             full = p.data.reshape(-1)
             zcomm.broadcast(full, src, group=channel.group)
+            if replicate is not None:
+                zcomm.broadcast(full, first, group=replicate)
             chunk = p.ds_tensor.numel()
             start = min(channel.rank * chunk, full.numel())
             stop = min(start + chunk, full.numel())

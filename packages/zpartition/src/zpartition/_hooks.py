@@ -12,7 +12,8 @@ them and its children none. Per module and pass:
   release it (with one rank nothing moves, so no hooks: the end of backward takes gradients);
 - at the end of backward (an autograd engine callback): queue what is left (parameters that got
   no gradient contribute zeros), reduce the queue, agree across ranks that the pass ended
-  alike, release all.
+  alike, release all; with replicas, all-reduce the held gradients across them when this
+  backward requires it ([Note: hybrid sharding], `_hybrid.py`).
 Outputs are walked with torch's pytree; objects it does not know are searched one level deep
 through their attributes, so dataclasses and plain objects pass through untouched.
 """
@@ -32,8 +33,17 @@ from zpartition._channel import Channel, Kind
 from zpartition._coordinator import Coordinator
 from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter, unregister_external_parameter
+from zpartition._hybrid import ReplicaGradients
 from zpartition._param import ZeroParameter, zero_params
-from zpartition._reduce import GradBucket, GradientSink, keep_local
+from zpartition._reduce import (
+    Deliver,
+    GradBucket,
+    GradientSink,
+    accumulate,
+    keep_local,
+    reduction_dtype,
+    to_sink,
+)
 from zpartition._shard import check_bound
 from zpartition._status import ZeroParamStatus
 from zpartition._unit import GradKey, Unit, _GradGroup
@@ -109,6 +119,10 @@ class State:
         self.root_device = torch.device("cpu")  # where gradients are computed (set at install)
         self.late_gradients = False  # gradients taken at the end of backward (see install)
         self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
+        # with a replicate group: the gradients held until the replicas' all-reduce, and
+        # whether this backward ends with it ([Note: hybrid sharding])
+        self.replicas: ReplicaGradients | None = None
+        self.requires_all_reduce = True
         # reduce-scatters in flight, to finish, with the key of the bucket each reads
         self.reducing: list[tuple[GradKey, Callable[[], None]]] = []
         self.kept_buckets = False  # persistent_grad_buckets (set at install)
@@ -134,8 +148,11 @@ class State:
         # A kept bucket (persistent_grad_buckets) is used with one rank too: DeepSpeed's
         # contiguous gradient buffer exists whatever the world size, and offload frees it.
         self.kept_buckets = self.coordinator.config.persistent_grad_buckets
+        # with replicas every gradient goes through a bucket, even a shard group of one
+        # rank's: that is where the pre-factor is applied and the results are held
         self.late_gradients = (
-            all(u.direct for u in self.units)
+            self.replicas is None
+            and all(u.direct for u in self.units)
             and total <= self.coordinator.config.max_live_parameters
             and not self.kept_buckets
         )
@@ -324,7 +341,7 @@ class State:
     def _gradients_done(self, unit: Unit) -> None:
         """`unit`'s backward is over: queue its gradients for reduction, release it."""
         unit.ready = 0
-        if unit.direct and not self.kept_buckets:
+        if unit.direct and not self.kept_buckets and self.replicas is None:
             keep_local(unit, self.sink)
         else:
             for group in unit.grad_groups:
@@ -341,11 +358,11 @@ class State:
             bucket = None
         if bucket is None:
             width = max(self.bucket_columns.get(key, 0), group.width)
-            # a parameter's comm_dtype first (autocast's lower-precision-safe modules), then
-            # the config's reduce_dtype, then its own
-            dtype = group.comm or self.coordinator.config.reduce_dtype or group.dtype
+            dtype = reduction_dtype(group, self.coordinator.config.reduce_dtype)
             rows = self._kept_rows(key, width, dtype)
             scale = self.coordinator.config.reduce_scale
+            if scale is not None and self.replicas is not None:
+                scale = (scale[0], 1.0)  # the post-factor after the replicas' sum
             bucket = GradBucket(dtype, width, self.channel, self.root_device, rows, scale)
             self.buckets[key] = bucket
         return bucket
@@ -378,9 +395,18 @@ class State:
         for k in [key] if key is not None else sorted(self.buckets, key=str):
             bucket = self.buckets.pop(k, None)
             if bucket is not None and bucket.entries:
-                finish = bucket.reduce(self.sink, overlap=overlap)
+                finish = bucket.reduce(self._deliver(), overlap=overlap)
                 self._finish_reductions()
                 self.reducing.append((k, finish))
+
+    def _deliver(self) -> Deliver:
+        """Where the shard group's reductions go: the sink, the replicas' held gradients, or
+        the shards' ``.grad``."""
+        if self.sink is not None:
+            return to_sink(self.sink)
+        if self.replicas is not None:
+            return self.replicas.hold
+        return accumulate
 
     def _finish_reductions(self) -> None:
         reducing, self.reducing = self.reducing, []
@@ -406,6 +432,8 @@ class State:
         self._finish_reductions()
         self.channel.agree(Kind.END_BACKWARD, [])
         self.coordinator.release_all()
+        if self.replicas is not None and self.sink is None and self.requires_all_reduce:
+            self.replicas.all_reduce()
 
     # -- errors ----------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import zcomm
 from zpartition._gather import channel_for, new_unit
 from zpartition._gathered import GatheredParameters
 from zpartition._host_heap import fix_mmap_threshold
+from zpartition._hybrid import replicas_for
 from zpartition._init_writes import let_go, start, stop, suspended
 from zpartition._partitioned import convert_module
 
@@ -175,7 +176,8 @@ class Init:
 
     Args:
         module: an already built module to partition now (no context needed).
-        data_parallel_group: the group to partition across (the world by default).
+        data_parallel_group: the group to partition across (the world by default); with
+            `replicate_group`, this rank's shard group.
         remote_device: ``"cpu"`` keeps the shards in host memory; ``None`` on the accelerator.
         pin_memory: pin host shards (with ``remote_device="cpu"`` on a CUDA machine).
         config_dict_or_path: a DeepSpeed config (dict or JSON path): its bf16/fp16 setting
@@ -196,6 +198,13 @@ class Init:
             then ``zengine.load_safetensors``): the broadcast was most of the construction's
             time. Writes after construction caught inside the context (`_init_writes`) keep
             rank 0's values either way, so the parameters they touch agree across ranks.
+        replicate_group: zstack's (FSDP2's HSDP; DeepSpeed's ``MiCS_Init`` builds its groups
+            from ``mics_shard_size`` instead): hybrid sharding, the ranks holding the same
+            chunks in the other shard groups. Each module's values are then global rank 0's
+            (broadcast across it, then within the shard group), and writes after
+            construction replica 0's. Pass the same group to `partition` (or zengine). The
+            groups must form a grid of the world: `ZeroParamError` otherwise. See [Note:
+            hybrid sharding].
 
     Where the shards live in host memory (no CUDA, or ``remote_device="cpu"``), entering the
     outermost context fixes glibc's mmap threshold at 128 KiB for the rest of the process, so
@@ -217,6 +226,7 @@ class Init:
         zero_quantized_weights: bool = False,
         zero_quantized_nontrainable_weights: bool = False,
         sync_module_states: bool = True,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         for name, value in (
             ("zero_quantized_weights", zero_quantized_weights),
@@ -243,6 +253,7 @@ class Init:
         )
         if enabled and not dist.is_initialized():
             zcomm.init_distributed()
+        self.replicate = replicas_for(self.group, replicate_group) if enabled else None
         if module is not None and enabled:
             self._fix_host_heap()
             for m in module.modules():
@@ -299,8 +310,16 @@ class Init:
             dtype=self.dtype,
             pin_memory=self.pin_memory and self.remote_device is not None,
             sync=self.sync,
+            replicate=self.replicate,
         )
         if not params:
             return
         channel = channel_for(self.group)
-        new_unit(channel.next_unit_id(), type(module).__name__, params, channel, params[0].device)
+        new_unit(
+            channel.next_unit_id(),
+            type(module).__name__,
+            params,
+            channel,
+            params[0].device,
+            self.replicate,
+        )

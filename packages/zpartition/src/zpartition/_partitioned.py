@@ -15,10 +15,12 @@ import zcomm
 from zpartition._channel import Kind
 from zpartition._config import ZeroParamConfig
 from zpartition._coordinator import Coordinator
+from zpartition._errors import ZeroParamError
 from zpartition._external import ParamDict
 from zpartition._gather import bind_gather_methods, channel_for, new_unit
 from zpartition._gathered import GatheredParameters
 from zpartition._hooks import ModuleInfo, State, eager
+from zpartition._hybrid import ReplicaGradients, replicas_for
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
 from zpartition._param import (
     ZeroParameter,
@@ -73,16 +75,20 @@ def convert_module(
     dtype: torch.dtype | None = None,
     pin_memory: bool = False,
     sync: bool = True,
+    replicate: dist.ProcessGroup | None = None,
 ) -> list[ZeroParameter]:
     """Partition the parameters of `module` not partitioned yet; returns them. `pin_memory`:
     host shards in pinned memory where CUDA is there (they copy to the GPU asynchronously).
-    `sync`: make them rank 0's first; without, each rank keeps its own values' chunk."""
+    `sync`: make them rank 0's first (replica 0's too, with a `replicate` group: [Note: hybrid
+    sharding]); without, each rank keeps its own values' chunk."""
     found = [p for p in module.parameters(recurse=recurse) if not hasattr(p, "ds_id")]
     for p in found:
         if p.numel() == 0 and dtype is not None and p.is_floating_point():
             p.data = p.data.to(dtype)  # left whole (see `partitioned`), in the compute dtype
     fresh = zero_params({id(p): p for p in found if p.numel() > 0}.values())
     if sync:
+        if replicate is not None:
+            _broadcast_params(fresh, replicate)
         _broadcast_params(fresh, group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     channel = channel_for(group)
@@ -139,6 +145,38 @@ class Partitioned:
         self._state = state
 
     @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same shards in the other shard groups, across which gradients
+        are all-reduced (see `partition`); None without replicas (or a group of one rank)."""
+        replicas = self._state.replicas
+        return None if replicas is None else replicas.group
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """Whether the next backward passes all-reduce the gradients across the replicate group
+        (FSDP2's switch for HSDP; True at first). While False, each backward only
+        reduce-scatters within the shard group and the results are held apart; the first
+        backward with True all-reduces everything held, once, at its end, and adds it to the
+        shards' ``.grad``: set it False for all but the last micro-batch of an accumulation,
+        as DeepSpeed's MiCS all-reduces at the accumulation boundary only. No effect without
+        replicas, or with a gradient sink (its owner all-reduces: `all_reduce_replicas`)."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(
+                f"set_requires_all_reduce: expected a bool, got {requires_all_reduce!r}"
+            )
+        self._state.requires_all_reduce = requires_all_reduce
+
+    def all_reduce_replicas(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The replicas' stage of the gradient reduction on `tensors`, in place: for the owner
+        of a gradient sink, which gets only the shard group's reduction (the mean over the shard
+        group, or with ``reduce_scale`` the sum pre-scaled), to all-reduce its accumulated
+        gradients at its step. The mean over the replicas, or with ``reduce_scale`` the sum
+        times the post-factor. Nothing without replicas. Every rank of the replicate group
+        calls it with tensors of the same sizes."""
+        replicas = self._state.replicas
+        if replicas is not None:
+            replicas.reduce(tensors)
+
+    @property
     def coordinator(self) -> Coordinator:
         """The prefetching coordinator (traces, invalidation count)."""
         return self._state.coordinator
@@ -173,7 +211,9 @@ class Partitioned:
         return [found[k] for k in sorted(found)]
 
     def set_gradient_sink(self, sink: GradientSink | None) -> None:
-        """Hand reduced shard gradients to `sink` from now on (None: ``ds_tensor.grad``)."""
+        """Hand reduced shard gradients to `sink` from now on (None: ``ds_tensor.grad``). With
+        replicas the sink gets the shard group's reduction, and its owner all-reduces across
+        `replicate_group` (`all_reduce_replicas`)."""
         self._state.sink = sink
 
     @property
@@ -280,6 +320,7 @@ def partition(
     gradient_sink: GradientSink | None = None,
     shard_device: torch.device | None = None,
     pin_memory: bool = False,
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> Partitioned:
     """Partition `module`'s parameters across `group` (the world by default) and hook it.
 
@@ -290,14 +331,29 @@ def partition(
     where the shards of parameters cut here live (their own device by default; the host for
     parameter offload: each all-gather then copies the shard to the compute device first);
     `pin_memory` pins such host shards where CUDA is there, so those copies run asynchronously.
+
+    `replicate_group`: hybrid sharding (DeepSpeed's MiCS, FSDP2's HSDP). `group` is then this
+    rank's shard group and `replicate_group` the ranks with the same index in the other shard
+    groups; the groups must form a grid of the world (`ZeroParamError` otherwise). Parameters
+    are made global rank 0's, cut within the shard group, and gradients reduce-scattered
+    there, then all-reduced across the replicas at the end of a backward
+    (`Partitioned.set_requires_all_reduce`); see [Note: hybrid sharding]. Parameters built
+    under `Init` must have been built with the same `replicate_group`.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition: module must be an nn.Module, got {type(module).__name__}")
     config = config or ZeroParamConfig()
     if not dist.is_initialized():
         zcomm.init_distributed()
+    replicate = replicas_for(group, replicate_group)
+    _check_replicas_of_init(module, replicate)
     convert_module(
-        module, group=group, recurse=True, shard_device=shard_device, pin_memory=pin_memory
+        module,
+        group=group,
+        recurse=True,
+        shard_device=shard_device,
+        pin_memory=pin_memory,
+        replicate=replicate,
     )
     if config.module_granularity_threshold:
         leaf_modules_by_granularity(module, config.module_granularity_threshold)
@@ -307,12 +363,19 @@ def partition(
         p.ds_name = name  # type: ignore[attr-defined]
     infos, units = _build_units(module, channel, persistent_ids)
     persistent = _persistent_unit(module, channel, persistent_ids)
+    for unit in [*units, *([persistent] if persistent is not None else [])]:
+        unit.replicate = replicate
     coordinator = Coordinator(config, channel, units)
     state = State(module, infos, coordinator, persistent, channel)
     state.sink = gradient_sink
     state.units = [u for u in units if u.trainable]
     if persistent is not None and persistent.trainable:
         state.units.append(persistent)
+    if replicate is not None:
+        device = state.units[0].device if state.units else torch.device("cpu")
+        state.replicas = ReplicaGradients(
+            replicate, state.units, config.reduce_dtype, config.reduce_scale, device
+        )
     reader = eager(state.read)  # a read through another module's attribute gathers
     for info in infos.values():
         m = info.module
@@ -321,6 +384,19 @@ def partition(
     state.install()
     _guard_forward(module, state)
     return Partitioned(module, config, state)
+
+
+def _check_replicas_of_init(module: nn.Module, replicate: dist.ProcessGroup | None) -> None:
+    """Parameters built under `Init` were made equal across its replicate group, or not: with
+    another one here, the replicas would train apart without a word."""
+    for name, p in module.named_parameters():
+        unit = getattr(p, "ds_unit", None)
+        if unit is not None and unit.replicate is not replicate:
+            said = "no replicate_group" if unit.replicate is None else "another replicate_group"
+            raise ZeroParamError(
+                f"partition: parameter {name!r} was built under Init with {said} than the "
+                "replicate_group given here; pass the same one to both"
+            )
 
 
 def _device_of(params: list[ZeroParameter]) -> torch.device:

@@ -5,9 +5,10 @@ dtype, ``reduce_bucket_size`` elements at most) and drops the full ones; a full 
 reduce-scattered in one collective, as is what is left at the end of backward: small modules
 would otherwise pay a collective's latency each. The rows of a bucket are rank-major, unit after
 unit, as in [Note: unit layout]. With one rank nothing moves: the full gradient, flattened,
-becomes the shard's gradient. zengine buckets the gradients of stages 0-2 on its own
-(`zengine/_optim/_grad_buckets.py`): why the two differ is in ARCHITECTURE.md, "Two gradient
-buckets, on purpose".
+becomes the shard's gradient. With replicas, what a bucket's reduce-scatter leaves is held for
+their all-reduce instead ([Note: hybrid sharding], `_hybrid.py`). zengine buckets the gradients
+of stages 0-2 on its own (`zengine/_optim/_grad_buckets.py`): why the two differ is in
+ARCHITECTURE.md, "Two gradient buckets, on purpose".
 """
 
 from __future__ import annotations
@@ -21,11 +22,43 @@ from zpartition._channel import Channel, Kind
 from zpartition._param import ZeroParameter
 from zpartition._unit import Unit, _GradGroup
 
-__all__ = ["GradBucket", "GradientSink", "keep_local"]
+__all__ = [
+    "Deliver",
+    "GradBucket",
+    "GradientSink",
+    "accumulate",
+    "keep_local",
+    "reduction_dtype",
+    "to_sink",
+]
 
 GradientSink = Callable[[Sequence[ZeroParameter], Sequence[torch.Tensor]], None]
 """Takes reduced gradients instead of ``ds_tensor.grad``: parameters, and for each its averaged
 shard gradient (1-D, ``ds_tensor.numel()`` elements, valid only during the call)."""
+
+Deliver = Callable[[Unit, _GradGroup, torch.Tensor], None]
+"""Where a gradient group's reduced shard gradient (one flat tensor, in the reduction's dtype,
+valid only during the call) goes: the shards' ``.grad`` (`accumulate`), a sink (`to_sink`), or
+the replicas' reduction ([Note: hybrid sharding])."""
+
+
+def reduction_dtype(group: _GradGroup, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `group`'s gradients are reduced in: a parameter's ``comm_dtype`` first
+    (autocast's lower-precision-safe modules), then the config's ``reduce_dtype``, then its
+    own."""
+    return group.comm or reduce_dtype or group.dtype
+
+
+def to_sink(sink: GradientSink) -> Deliver:
+    """Hand a group's reduced gradient to `sink`, one view per parameter."""
+
+    def deliver(unit: Unit, group: _GradGroup, reduced: torch.Tensor) -> None:
+        sink(
+            [unit.params[i] for i in group.indices],
+            [reduced[off : off + chunk] for off, chunk in group.columns],
+        )
+
+    return deliver
 
 
 def keep_local(unit: Unit, sink: GradientSink | None = None) -> None:
@@ -83,9 +116,10 @@ class GradBucket:
         self.entries.append((unit, group, self.used))
         self.used += group.width
 
-    def reduce(self, sink: GradientSink | None, *, overlap: bool) -> Callable[[], None]:
-        """Agree with the other ranks, then reduce-scatter; returns what finishes the job
-        (with `overlap` the collective is in flight until it is called)."""
+    def reduce(self, deliver: Deliver, *, overlap: bool) -> Callable[[], None]:
+        """Agree with the other ranks, then reduce-scatter; returns what finishes the job and
+        hands each group's result to `deliver` (with `overlap` the collective is in flight
+        until it is called)."""
         self.channel.agree(Kind.REDUCE, [u.uid for u, _, _ in self.entries])
         rows = self.rows if self.used == self.rows.shape[1] else self.rows[:, : self.used]
         flat = rows.contiguous().view(-1)  # a copy only for a bucket left part-full
@@ -112,14 +146,7 @@ class GradBucket:
             if scale is not None and scale[1] != 1.0:
                 mine.mul_(scale[1])
             for unit, group, start in entries:
-                reduced = mine[start : start + group.width]
-                if sink is None:
-                    _accumulate(unit, group, reduced)
-                else:
-                    sink(
-                        [unit.params[i] for i in group.indices],
-                        [reduced[off : off + chunk] for off, chunk in group.columns],
-                    )
+                deliver(unit, group, mine[start : start + group.width])
 
         if not overlap:
             finish()
@@ -149,9 +176,11 @@ def _fill(unit: Unit, group: _GradGroup, rows: torch.Tensor) -> None:
                 block[whole, :rest].copy_(flat[whole * chunk :])
 
 
-def _accumulate(unit: Unit, group: _GradGroup, mine: torch.Tensor) -> None:
+def accumulate(unit: Unit, group: _GradGroup, mine: torch.Tensor, *, adopt: bool = False) -> None:
     """Add this rank's reduced gradients to the shards' ``.grad`` (one flat tensor per group,
-    viewed per parameter); a gradient set to None by ``zero_grad`` starts it over."""
+    viewed per parameter); a gradient set to None by ``zero_grad`` starts it over, from a copy
+    of `mine`, or (`adopt`: the caller lets it go) from `mine` itself where its dtype and
+    device are the shards'."""
     shards = [unit.params[i].ds_tensor for i in group.indices]
     flat = group.shard_grad
     live = flat is not None and all(
@@ -163,7 +192,7 @@ def _accumulate(unit: Unit, group: _GradGroup, mine: torch.Tensor) -> None:
         flat.add_(mine.to(flat.device))
         return
     # in the shards' dtype: a gradient reduced in another (reduce_dtype) comes back as theirs
-    flat = mine.to(shards[0].device, shards[0].dtype, copy=True)
+    flat = mine.to(shards[0].device, shards[0].dtype, copy=not adopt)
     group.shard_grad = flat
     for s, (off, chunk) in zip(shards, group.columns, strict=True):
         s.grad = flat[off : off + chunk]

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import zcomm
 from zpartition._channel import Channel, Kind
@@ -197,6 +198,9 @@ class Unit:
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self._gathered_version = -1  # the shards' version at the last refresh
         self.store: ShardStore | None = None  # where the shard waits while released, if away
+        # the ranks holding the same chunks in the other shard groups: GatheredParameters'
+        # changes are made equal across them too ([Note: hybrid sharding]); None: no replicas
+        self.replicate: dist.ProcessGroup | None = None
         # where `ds_tensor.data = t` and `.copy_(t)` name their parameter: a partitioned model's
         # list (`Partitioned.take_written`), None for units of `Init` alone
         self.journal: list[ZeroParameter] | None = None
