@@ -34,11 +34,17 @@ class TestAccounting(DistributedTest):
             summary["all_reduce"].algbw * 2 * (world_size - 1) / world_size
         )
         assert summary["all_gather_into_tensor"].bytes == 8 * world_size * 4
+        # one node (the harness's launcher variables): every byte within it
+        assert summary["all_reduce"].intra_node_bytes == 3 * 256 * 4
+        assert summary["all_reduce"].inter_node_bytes == 0
+        total = 3 * 256 * 4 + 8 * world_size * 4
+        assert zcomm.comm_bytes_by_link() == {"intra_node": total, "inter_node": 0}
         table = zcomm.log_summary(show=False)
         assert table.splitlines()[0].startswith("| op | count | total MB")
         assert any(line.startswith("| all_reduce | 3 |") for line in table.splitlines())
         zcomm.reset_comm_accounting()
         assert zcomm.comm_summary() == {}
+        assert zcomm.comm_bytes_by_link() == {"intra_node": 0, "inter_node": 0}
 
     @pytest.mark.parametrize("world_size", [2])
     def test_point_to_point_is_counted(self, world_size: int) -> None:

@@ -1,5 +1,6 @@
-"""Nodes: the layout (set, from the launcher, one node by default) and the intra- and
-inter-node groups; 4 processes pretend to be 2 x 2, 1 x 4 and 4 x 1."""
+"""Nodes: the layout (set, from the launcher, one node by default), the intra- and inter-node
+groups, and the accounting of bytes by link class; 4 processes pretend to be 2 x 2, 1 x 4
+and 4 x 1."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import torch.distributed as dist
 import zcomm
 from zcomm._nodes import layout_from_launcher
 from zcomm.testing import DistributedTest
+
+# Elements all-reduced on the world, the intra-node and the inter-node group: three sizes,
+# so that each group's bytes are told apart in the totals.
+_WORLD, _INTRA, _INTER = 16, 8, 4
 
 
 def _ranks(group: dist.ProcessGroup) -> list[int]:
@@ -31,9 +36,18 @@ class TestNodes(DistributedTest):
         assert _ranks(zcomm.inter_node_group()) == [rank]
 
     @pytest.mark.world_size(4)
-    def test_layouts_and_groups(self) -> None:
+    def test_layouts_groups_and_bytes_by_link(self) -> None:
         rank = zcomm.get_rank()
-        for k in (2, 4, 1):
+        zcomm.enable_comm_accounting()
+        world_bytes, intra_bytes, inter_bytes = 4 * _WORLD, 4 * _INTRA, 4 * _INTER
+        # ranks_per_node -> (expected intra-node bytes, inter-node bytes) of the three calls;
+        # a group of one sends nothing, so it counts nothing
+        expected = {
+            2: (intra_bytes, world_bytes + inter_bytes),
+            4: (world_bytes + intra_bytes, 0),
+            1: (0, world_bytes + inter_bytes),
+        }
+        for k, (intra, inter) in expected.items():
             layout = zcomm.set_node_layout(k)
             assert zcomm.node_layout() is layout
             assert (layout.ranks_per_node, layout.nodes, layout.world_size) == (k, 4 // k, 4)
@@ -48,16 +62,59 @@ class TestNodes(DistributedTest):
             assert _ranks(across) == [n * k + local for n in range(4 // k)]
             assert zcomm.intra_node_group() is within  # built once per layout
             assert zcomm.inter_node_group() is across
-            for group in (within, across):
-                t = torch.full((2,), float(rank))
+
+            zcomm.reset_comm_accounting()
+            for elements, group in ((_WORLD, None), (_INTRA, within), (_INTER, across)):
+                t = torch.full((elements,), float(rank))
                 zcomm.all_reduce(t, group=group)
-                assert t[0].item() == sum(_ranks(group))
+                members = range(4) if group is None else _ranks(group)
+                assert t[0].item() == sum(members)
+            assert zcomm.comm_bytes_by_link() == {"intra_node": intra, "inter_node": inter}
+            stats = zcomm.comm_summary()["all_reduce"]
+            assert (stats.intra_node_bytes, stats.inter_node_bytes) == (intra, inter)
+            assert stats.bytes == intra + inter
+
+        table = zcomm.log_summary(show=False).splitlines()
+        assert "| intra-node MB | inter-node MB |" in table[0]
+        assert table[2].startswith("| all_reduce | 2 | ")  # 4 x 1: the world's, the inter-node
+
+    @pytest.mark.world_size(4)
+    def test_point_to_point_by_its_two_ranks(self) -> None:
+        zcomm.set_node_layout(2)
+        zcomm.enable_comm_accounting()
+        rank = zcomm.get_rank()
+        # with the node neighbour (rank ^ 1), then with the same place on the other node
+        # (rank ^ 2): 8 bytes each way, once within a node and once across
+        for peer in (rank ^ 1, rank ^ 2):
+            got = torch.empty(2)
+            ops = [
+                zcomm.P2POp(zcomm.isend, torch.full((2,), float(rank)), peer),
+                zcomm.P2POp(zcomm.irecv, got, peer),
+            ]
+            for handle in zcomm.batch_isend_irecv(ops):
+                handle.wait()
+            assert got.tolist() == [float(peer)] * 2
+        if rank == 0:  # the blocking calls too (through isend and irecv)
+            zcomm.send(torch.ones(4), 3)
+        elif rank == 3:
+            zcomm.recv(torch.empty(4), 0)
+        summary = zcomm.comm_summary()
+        extra = 16 if rank in (0, 3) else 0
+        for op, mine in (("send", rank == 0), ("recv", rank == 3)):
+            assert summary[op].intra_node_bytes == 8
+            assert summary[op].inter_node_bytes == 8 + (extra if mine else 0)
+        assert zcomm.comm_bytes_by_link() == {"intra_node": 16, "inter_node": 16 + extra}
 
     @pytest.mark.world_size(4)
     def test_launcher_environment_read_and_checked(self) -> None:
         rank = zcomm.get_rank()
         # torchrun on 2 machines of 2 (the harness restores the environment after the test)
         os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
+        # before the layout is worked out (a collective) the accounting reads this rank's
+        # LOCAL_WORLD_SIZE alone: it never communicates
+        zcomm.enable_comm_accounting()
+        zcomm.all_reduce(torch.ones(2))
+        assert zcomm.comm_bytes_by_link() == {"intra_node": 0, "inter_node": 8}
         assert zcomm.node_layout() == zcomm.NodeLayout(2, 2)
         assert _ranks(zcomm.intra_node_group()) == [rank - rank % 2, rank - rank % 2 + 1]
 

@@ -8,6 +8,7 @@ from zcomm.__about__ import __version__
 from zcomm._accelerator import Accelerator, get_accelerator
 from zcomm._accounting import (
     CommOpStats,
+    comm_bytes_by_link,
     comm_summary,
     enable_comm_accounting,
     log_summary,
@@ -62,6 +63,7 @@ __all__ = [
     "barrier",
     "batch_isend_irecv",
     "broadcast",
+    "comm_bytes_by_link",
     "comm_summary",
     "destroy",
     "enable_comm_accounting",

@@ -2,15 +2,19 @@
 
 Off by default. When off, the only cost on each operation is reading one module-level
 boolean (`enabled()`); the recording path runs only when someone asked for the numbers.
+Each operation's bytes are also counted by link class: within a node, or across nodes (its
+group's ranks on several nodes; a point-to-point operation's two ranks on two).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 __all__ = [
     "CommOpStats",
+    "comm_bytes_by_link",
     "comm_summary",
     "enable_comm_accounting",
     "enabled",
@@ -38,6 +42,8 @@ class CommOpStats:
     bytes: int = 0
     seconds: float = 0.0
     bus_bytes: float = 0.0  # bytes scaled by the bus factor, summed per call
+    intra_node_bytes: int = 0  # the part of `bytes` of calls within one node
+    inter_node_bytes: int = 0  # the part of `bytes` of calls whose ranks span nodes
 
     @property
     def algbw(self) -> float:
@@ -73,11 +79,15 @@ def reset_comm_accounting() -> None:
     _stats.clear()
 
 
-def record(op: str, nbytes: int, seconds: float, group_size: int) -> None:
-    """Add one completed operation to the table."""
+def record(op: str, nbytes: int, seconds: float, group_size: int, inter_node: bool) -> None:
+    """Add one completed operation to the table; `inter_node`: its ranks span nodes."""
     stats = _stats.setdefault(op, CommOpStats())
     stats.count += 1
     stats.bytes += nbytes
+    if inter_node:
+        stats.inter_node_bytes += nbytes
+    else:
+        stats.intra_node_bytes += nbytes
     stats.seconds += seconds
     factor = _BUS_FACTORS.get(op)
     stats.bus_bytes += nbytes * (factor(group_size) if factor and group_size > 0 else 1.0)
@@ -85,24 +95,38 @@ def record(op: str, nbytes: int, seconds: float, group_size: int) -> None:
 
 def comm_summary() -> dict[str, CommOpStats]:
     """A copy of the per-operation statistics recorded so far."""
-    return {op: CommOpStats(s.count, s.bytes, s.seconds, s.bus_bytes) for op, s in _stats.items()}
+    return {op: dataclasses.replace(s) for op, s in _stats.items()}
+
+
+def comm_bytes_by_link() -> dict[str, int]:
+    """The bytes of every operation since the last reset by link class: ``"intra_node"``
+    (a group within one node) and ``"inter_node"`` (a group across nodes)."""
+    return {
+        "intra_node": sum(s.intra_node_bytes for s in _stats.values()),
+        "inter_node": sum(s.inter_node_bytes for s in _stats.values()),
+    }
 
 
 def _format_table(stats: dict[str, CommOpStats]) -> str:
-    header = "| op | count | total MB | total ms | avg ms | algbw GB/s | busbw GB/s |"
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|"]
+    header = (
+        "| op | count | total MB | intra-node MB | inter-node MB | total ms | avg ms "
+        "| algbw GB/s | busbw GB/s |"
+    )
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for op in sorted(stats):
         s = stats[op]
         avg_ms = 1e3 * s.seconds / s.count if s.count else 0.0
         lines.append(
-            f"| {op} | {s.count} | {s.bytes / 1e6:.3f} | {1e3 * s.seconds:.3f} | {avg_ms:.3f} "
+            f"| {op} | {s.count} | {s.bytes / 1e6:.3f} | {s.intra_node_bytes / 1e6:.3f} "
+            f"| {s.inter_node_bytes / 1e6:.3f} | {1e3 * s.seconds:.3f} | {avg_ms:.3f} "
             f"| {s.algbw / 1e9:.3f} | {s.busbw / 1e9:.3f} |"
         )
     return "\n".join(lines)
 
 
 def log_summary(*, show: bool = True) -> str:
-    """The recorded statistics as a markdown table, one row per operation; printed if `show`."""
+    """The recorded statistics as a markdown table, one row per operation (bytes in all,
+    within nodes and across nodes, time, bandwidths); printed if `show`."""
     table = _format_table(comm_summary())
     if show:
         print(table, flush=True)

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zcomm import _accounting
+from zcomm import _accounting, _nodes
 from zcomm._errors import comm_error
 
 __all__ = ["Handle", "completed", "run"]
@@ -28,7 +28,7 @@ class Handle:
     calls and for the world-of-one fast path) and is idempotent.
     """
 
-    __slots__ = ("_done", "_finish", "_group", "_nbytes", "_op", "_start", "_work")
+    __slots__ = ("_done", "_finish", "_group", "_nbytes", "_op", "_peer", "_start", "_work")
 
     def __init__(
         self,
@@ -38,9 +38,11 @@ class Handle:
         *,
         finish: Callable[[], None] | None = None,
         nbytes: int = 0,
+        peer: int | None = None,
     ) -> None:
         self._op = op  # for error messages and accounting
         self._group = group
+        self._peer = peer  # a point-to-point operation's other rank: its link class
         self._work = work  # None once complete (or when nothing was sent)
         self._finish = finish  # runs once, after the data arrived
         self._nbytes = nbytes
@@ -80,13 +82,17 @@ class Handle:
             self._finish()
             self._finish = None
         if self._start and self._nbytes:
-            _account(self._op, self._group, self._nbytes, self._start)
+            _account(self._op, self._group, self._nbytes, self._start, self._peer)
 
 
-def _account(op: str, group: dist.ProcessGroup | None, nbytes: int, start: float) -> None:
+def _account(
+    op: str, group: dist.ProcessGroup | None, nbytes: int, start: float, peer: int | None
+) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()  # time the transfer, not the launch (only while accounting)
-    _accounting.record(op, nbytes, time.perf_counter() - start, dist.get_world_size(group))
+    seconds = time.perf_counter() - start
+    inter = _nodes.crosses_nodes(group, peer)
+    _accounting.record(op, nbytes, seconds, dist.get_world_size(group), inter)
 
 
 def run(
@@ -97,8 +103,10 @@ def run(
     async_op: bool,
     nbytes: int,
     finish: Callable[[], None] | None = None,
+    peer: int | None = None,
 ) -> Handle:
-    """Issue `call(async_op)` and return its handle; synchronous calls come back completed."""
+    """Issue `call(async_op)` and return its handle; synchronous calls come back completed.
+    `peer` is a point-to-point operation's other global rank."""
     if not async_op and finish is None and not _accounting.enabled():
         # The common call: synchronous, nothing to finish, nothing to record. A completed
         # handle never changes, so one per operation serves every such call, and the hot
@@ -108,7 +116,7 @@ def run(
         except RuntimeError as error:
             raise comm_error(op, group, error) from error
         return _done(op)
-    handle = Handle(op, group, None, finish=finish, nbytes=nbytes)
+    handle = Handle(op, group, None, finish=finish, nbytes=nbytes, peer=peer)
     try:
         work = call(async_op)
     except RuntimeError as error:

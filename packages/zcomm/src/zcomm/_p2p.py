@@ -42,6 +42,7 @@ def isend(
         lambda _: dist.isend(tensor, dst, group=group, tag=tag),
         async_op=True,
         nbytes=_nbytes(tensor),
+        peer=dst,
     )
 
 
@@ -56,6 +57,7 @@ def irecv(
         lambda _: dist.irecv(tensor, src, group=group, tag=tag),
         async_op=True,
         nbytes=_nbytes(tensor),
+        peer=src,
     )
 
 
@@ -126,6 +128,6 @@ def batch_isend_irecv(ops: Sequence[P2POp | dist.P2POp]) -> list[Handle]:
         raise comm_error("batch_isend_irecv", group, error) from error
     handles = []
     for (c, kind), work in zip(converted, works, strict=True):
-        handle = Handle(kind, c.group, work, nbytes=_nbytes(c.tensor))
+        handle = Handle(kind, c.group, work, nbytes=_nbytes(c.tensor), peer=c.peer)
         handles.append(handle)
     return handles
