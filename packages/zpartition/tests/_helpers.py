@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 HIDDEN, VOCAB, SEQ = 16, 32, 6
@@ -55,23 +56,39 @@ def train_partitioned(
     data: list[Any],
     lr: float,
     loss_of: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
+    accumulation: int = 1,
+    handle: Any = None,
 ) -> list[float]:
-    """Each rank trains on its slice of every global batch, with SGD over its `shards`;
+    """Each rank trains on its slice of every global batch, with `optimizer` over its `shards`;
     returns the global mean losses (what `reference_losses` gives for the whole batches).
-    `loss_of(item)`: this rank's loss for an item of `data` (default: the model on its slice)."""
+    `loss_of(item)`: this rank's loss for an item of `data` (default: the model on its slice).
+    `accumulation`: the slice in that many micro-batches, one step after them; with the
+    `handle` of a hybrid-sharded model, gradients are all-reduced across the replicas in the
+    last micro-batch's backward only (``set_requires_all_reduce``)."""
     import zcomm  # the reference trainer below runs without a world
 
     rank, world = zcomm.get_rank(), zcomm.get_world_size()
-    opt = torch.optim.SGD(shards, lr=lr)
+    opt = optimizer(shards, lr=lr)
     losses = []
     for item in data:
-        loss = model(item.chunk(world)[rank]) if loss_of is None else loss_of(item)
-        loss.backward()
+        total: torch.Tensor | None = None
+        for i in range(accumulation):
+            if handle is not None:
+                handle.set_requires_all_reduce(i == accumulation - 1)
+            if loss_of is None:
+                loss = model(item.chunk(world)[rank].chunk(accumulation)[i]) / accumulation
+            else:
+                loss = loss_of(item)
+            loss.backward()
+            part = loss.detach().clone()
+            total = part if total is None else total + part
+        assert total is not None
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
-        zcomm.all_reduce(mean, op=zcomm.ReduceOp.AVG)
-        losses.append(mean.item())
+        zcomm.all_reduce(total, op=zcomm.ReduceOp.AVG)
+        losses.append(total.item())
     return losses
 
 
@@ -80,9 +97,12 @@ def reference_losses(
     data: list[Any],
     lr: float,
     loss_of: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
 ) -> list[float]:
-    """Plain SGD on whole batches; `loss_of(item)` as `train_partitioned`'s, on a whole item."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    """Plain `optimizer` on whole batches; `loss_of(item)` as `train_partitioned`'s, on a whole
+    item."""
+    opt = optimizer(model.parameters(), lr=lr)
     losses = []
     for item in data:
         loss = model(item) if loss_of is None else loss_of(item)
@@ -91,6 +111,25 @@ def reference_losses(
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def hybrid_groups(shard: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's shard group and replicate group in a grid of the world: shard groups of
+    `shard` consecutive ranks; a replicate group is the ranks with one index in every shard
+    group (world 4, shard 2: shard groups [0, 1], [2, 3], replicate groups [0, 2], [1, 3])."""
+    import zcomm
+
+    rank, world = zcomm.get_rank(), zcomm.get_world_size()
+    shards = groups([list(range(s, s + shard)) for s in range(0, world, shard)])
+    replicas = groups([list(range(i, world, shard)) for i in range(shard)])
+    return shards[rank // shard], replicas[rank % shard]
+
+
+def groups(lists: list[list[int]]) -> list[dist.ProcessGroup]:
+    """One group per rank list, made by every rank in list order (as torch requires)."""
+    import zcomm
+
+    return [zcomm.new_group(ranks) for ranks in lists]
 
 
 def externals(module: nn.Module) -> dict[int, Any]:
