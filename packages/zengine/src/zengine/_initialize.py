@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 import zcomm
 from zengine._assembly import (
     check_allgather_bucket_size,
+    hybrid_groups,
     make_loss_scaler,
     make_scheduler,
     offload_masters,
@@ -96,9 +97,10 @@ def initialize(
     loss_scaler = make_loss_scaler(cfg, device)
     offload = offload_masters(cfg)
     layout: FlatLayout | ShardedLayout
+    hybrid = hybrid_groups(cfg, group)  # the data-parallel group, unless mics_shard_size
     if cfg.zero_stage == 3:
-        handle = partition_model(model, cfg, group, device, reduce_scale)
-        layout = stage3_layout(handle, groups, cfg, group, device, offload)
+        handle = partition_model(model, cfg, hybrid.shard, device, reduce_scale, hybrid.replicate)
+        layout = stage3_layout(handle, groups, cfg, hybrid.shard, device, offload)
     else:
         handle = None
         prepare_dense(model, cfg, group, device)
@@ -123,6 +125,7 @@ def initialize(
         loss_scaler=loss_scaler,
         clip=float(cfg.gradient_clipping),
         nonfinite=cfg.nonfinite_gradients,
+        shard_group=hybrid.shard,
     )
     swap_to_nvme(zero, cfg)
     for g in groups:

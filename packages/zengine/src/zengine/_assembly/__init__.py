@@ -9,6 +9,7 @@ and masters where the offload sections put them (_model.py), its ZeRO-3 leaf mod
 first (_leaf_config.py). The engines themselves, and the ZeRO optimizer, are not here.
 """
 
+from zengine._assembly._hybrid import HybridGroups, hybrid_groups
 from zengine._assembly._model import (
     offload_masters,
     partition_model,
@@ -26,7 +27,9 @@ from zengine._assembly._optimizer import (
 from zengine._assembly._refusals import check_allgather_bucket_size
 
 __all__ = [
+    "HybridGroups",
     "check_allgather_bucket_size",
+    "hybrid_groups",
     "make_loss_scaler",
     "make_scheduler",
     "offload_masters",

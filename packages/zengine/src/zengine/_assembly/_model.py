@@ -85,10 +85,12 @@ def partition_model(
     group: dist.ProcessGroup | None,
     device: torch.device,
     reduce_scale: tuple[float, float] | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> zpartition.Partitioned:
     """Stage 3: partition what is not yet (cast to fp16 or bf16 when one is enabled; else
     left in its own dtype, as at stages 0-2), then hook the model; `reduce_scale`: the
-    factors of DeepSpeed's reduction options (None: the mean)."""
+    factors of DeepSpeed's reduction options (None: the mean); `replicate_group`: hybrid
+    sharding's, `group` then being the shard group."""
     mark_configured_leaves(model, cfg.zero_optimization.leaf_module)  # before the units form
     cast = cfg.dtype if cfg.dtype != torch.float32 else None
     for p in zpartition_params(model):
@@ -117,6 +119,7 @@ def partition_model(
         group=group,
         shard_device=shard_device,
         pin_memory=zero.offload_param.pin_memory,
+        replicate_group=replicate_group,
     )
     return handle
 
@@ -142,6 +145,8 @@ def stage3_layout(
     )
     shards_to_nvme(handle, layout, cfg)
     handle.set_gradient_sink(layout.sink)
+    if handle.replicate_group is not None:
+        layout.all_reduce_replicas = handle.all_reduce_replicas
     layout.take_written = handle.take_written  # masters re-read from shards written directly
     return layout
 

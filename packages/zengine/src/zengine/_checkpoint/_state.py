@@ -96,7 +96,9 @@ def model_entries(
     optimizer has no masters: its parameters themselves are the pieces, under the keys of the
     checkpoint's masters for the names in `saved_masters`."""
     parts = engine.optimizer.partitions if engine.optimizer is not None else None
-    rank = dist.get_rank(engine.group)
+    # a shard's index: in the shard group with hybrid sharding (its replicas hold the same)
+    shards = engine.optimizer.shard_group if engine.optimizer is not None else engine.group
+    rank = dist.get_rank(shards)
     entries: dict[str, Piece] = {}
     for name, p in engine.module.named_parameters():
         size = full_numel(p)

@@ -120,6 +120,12 @@ def _choose(value: object, choices: Sequence[str], what: str) -> object:
     raise config_error(f"unknown {what} {show(value)}{hint} (supported: {', '.join(choices)})")
 
 
+def _check_shard_size(size: int | str) -> int | str:
+    if size == "node" or (isinstance(size, int) and (size == -1 or size >= 1)):
+        return size
+    raise config_error(f'must be -1 (off), a number of ranks, or "node", got {size!r}')
+
+
 def _check_stage(stage: int) -> int:
     if not 0 <= stage <= 3:
         raise config_error(f"must be 0, 1, 2 or 3, got {stage!r}")
@@ -431,6 +437,14 @@ class ZeroConfig(Section):
     a pipeline engine does not check."""
     load_from_fp32_weights: Flag = True
     """Accepted for DeepSpeed compatibility."""
+    mics_shard_size: Annotated[int | Literal["node"], AfterValidator(_check_shard_size)] = -1
+    """Stage 3 hybrid sharding (DeepSpeed's MiCS, FSDP2's HSDP): parameters, gradients and
+    optimizer state are sharded within groups of this many consecutive ranks and replicated
+    across the groups; gradients cross the groups once per optimizer step. ``"node"`` (zstack's
+    value): the ranks of one node. -1: shard across every rank."""
+    mics_hierarchical_params_gather: Flag = False
+    """DeepSpeed's two-level gather for a shard group that spans nodes: not built; true is
+    accepted where every shard group lies within a node (there it changes nothing)."""
     sub_group_size: Size = 1_000_000_000
     """Stage 3: shard elements the optimizer steps at a time (whole modules), so that NVMe
     offload holds a few tiles of masters and state in memory during a step, not all."""

@@ -35,6 +35,7 @@ class DeepSpeedViews:
     layout: Layout
     partitions: Partitions
     group: dist.ProcessGroup | None
+    shard_group: dist.ProcessGroup | None
     loss_scaler: LossScalerBase | None
     global_grad_norm: float | None
 
@@ -127,7 +128,7 @@ class DeepSpeedViews:
             [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]
         )
         if self.stage > 0:  # stage 0 ranks hold the same averaged gradients: nothing to sum
-            zcomm.all_reduce(squares, group=self.group)
+            zcomm.all_reduce(squares, group=self.shard_group)
         return list(squares.sqrt().unbind(0))
 
     @property

@@ -345,6 +345,9 @@ class ShardedLayout:
         self.take_written: Callable[[], list[ZeroParameter]] | None = None
         self._written: dict[int, ZeroParameter] = {}
         self.shard_store: NvmeShardStore | None = None
+        # hybrid sharding: averages the gradient partition across the replicas (zpartition's
+        # `Partitioned.all_reduce_replicas`), once per accumulation, at its last backward
+        self.all_reduce_replicas: Callable[[Sequence[torch.Tensor]], None] | None = None
         self.read_back()
 
     def _cut(self, numel: int, every: list[ZeroParameter]) -> list[list[nn.Parameter]]:
@@ -402,7 +405,10 @@ class ShardedLayout:
             self.shard_store.holding = True
 
     def after_backward(self, boundary: bool) -> None:
-        pass  # zpartition reduced the gradients during backward
+        # zpartition reduced the gradients within the shard group during backward; with
+        # replicas, what the accumulation gathered crosses the replicate group once, now
+        if boundary and self.all_reduce_replicas is not None:
+            self.all_reduce_replicas([self.partitions.grad_partitions_flat_buffer])
 
     def discard_accumulated(self) -> None:
         pass  # every backward reduced into the partitions, which zero_grad zeroes

@@ -91,11 +91,16 @@ class ZeroOptimizer(DeepSpeedViews):
         loss_scaler: LossScalerBase | None,
         clip: float,
         nonfinite: str = "skip",
+        shard_group: dist.ProcessGroup | None = None,
     ) -> None:
+        """`group`: the data-parallel group; `shard_group`, with hybrid sharding, the ranks
+        whose partitions make up the whole model (the replicas' are copies of them)."""
         self.stage = stage
         self.layout = layout
         self.partitions = layout.partitions
-        self.group = group  # the data-parallel group: norms and overflow agree across it
+        self.group = group  # the data-parallel group: the ranks that train on their own data
+        # the ranks whose gradient norms make up the whole: norms and overflow agree across it
+        self.shard_group = shard_group if shard_group is not None else group
         self.loss_scaler = loss_scaler  # None without fp16
         self.clip = clip
         self.nonfinite = nonfinite  # without fp16: "skip" or "raise" on an inf or NaN gradient
@@ -296,7 +301,7 @@ class ZeroOptimizer(DeepSpeedViews):
         norm one), one all-reduce."""
         norm_sq = torch.linalg.vector_norm(grads, dtype=torch.float32).square()
         if self.stage > 0:  # stage 0 ranks hold the same averaged gradients: nothing to sum
-            zcomm.all_reduce(norm_sq, group=self.group)
+            zcomm.all_reduce(norm_sq, group=self.shard_group)
         value = float(norm_sq)
         return value, not math.isfinite(value)
 
