@@ -85,7 +85,7 @@ class TestParity(DistributedTest):
         cfg = engine_config(stage)
         cfg[precision] = half
         engine, *_ = zengine.initialize(model=model, config=cfg)
-        data = global_batches(6, 2 * world_size)
+        data = global_batches(4, 2 * world_size)
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16
         expected, masters = mixed_precision_losses(
             reference, data, dtype, world=world_size, fp16=half if precision == "fp16" else None

@@ -150,7 +150,7 @@ class TestParity(DistributedTest):
         cfg = pipe_config()
         cfg[precision] = half
         engine = pipe_initialize(pipeline(2), cfg)
-        data = global_batches(6, 2 * 4)
+        data = global_batches(4, 2 * 4)
         model = PipeReference(copies=True)
         expected, masters = mixed_precision_losses(
             WithLoss(model),
