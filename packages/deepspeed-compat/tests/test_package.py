@@ -57,7 +57,6 @@ def test_names_are_zstacks_own_objects() -> None:
             ),
             "sequence parallel",
         ),
-        (lambda: deepspeed.zero.MiCS_Init(), "hybrid sharding"),
         (lambda: groups._get_expert_parallel_group("ep_size_2"), "expert parallel"),
         (lambda: deepspeed.init_inference(None), "DeepSpeed-Inference"),
     ],
@@ -138,3 +137,24 @@ def test_torch_version_checks_and_grad_hooks() -> None:
     (param * 3).sum().backward()  # type: ignore[no-untyped-call]
     assert len(seen) == 1
     assert torch.equal(seen[0], torch.full((2,), 3.0))
+
+
+class TestMiCSInit(DistributedTest):
+    world_size = 4
+
+    def test_shards_within_the_configs_shard_groups(self) -> None:
+        # DeepSpeed's MiCS_Init with mics_shard_size 2 on 4 ranks: 2 shard groups of 2, and
+        # the engine built on the same config takes the model as it was cut
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "mics_shard_size": 2},
+        }
+        with deepspeed.zero.MiCS_Init(config_dict_or_path=config):
+            model = torch.nn.Linear(6, 5)
+        assert model.weight.ds_tensor.numel() == 15  # 30 elements over 2 ranks
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.backward(engine(torch.ones(1, 6)).sum())
+        engine.step()
+        with pytest.raises(ValueError, match="mics_shard_size must be set"):
+            deepspeed.zero.MiCS_Init(config_dict_or_path={"zero_optimization": {"stage": 3}})

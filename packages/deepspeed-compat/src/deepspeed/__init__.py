@@ -2,7 +2,7 @@
 zoffload and zpipe, so Transformers, Accelerate, PEFT and DeepSpeed-style scripts run unchanged.
 
 Every name here is one of zstack's objects or a thin adapter over one. DeepSpeed features zstack
-does not have (tensor, sequence and expert parallelism, MiCS) are importable and raise
+does not have (tensor, sequence and expert parallelism) are importable and raise
 `UnsupportedFeatureError` at the call, naming the feature and the alternative.
 """
 

@@ -10,6 +10,7 @@ from zpartition._config import ZeroParamConfig
 from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter, unregister_external_parameter
 from zpartition._gathered import GatheredParameters
+from zpartition._hybrid import hybrid_groups
 from zpartition._init import Init
 from zpartition._leaf import (
     get_z3_leaf_modules,
@@ -44,6 +45,7 @@ __all__ = [
     "__version__",
     "apply_to_tensors_only",
     "get_z3_leaf_modules",
+    "hybrid_groups",
     "is_zero_param",
     "leaf_modules_by_granularity",
     "partition",

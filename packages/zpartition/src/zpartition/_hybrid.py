@@ -49,17 +49,43 @@ import torch
 import torch.distributed as dist
 
 import zcomm
+from zcomm.topology import ProcessTopology
 from zpartition._errors import ZeroParamError
 from zpartition._reduce import accumulate, reduction_dtype
 from zpartition._unit import Unit, _GradGroup
 
-__all__ = ["ReplicaGradients", "replicas_for"]
+__all__ = ["ReplicaGradients", "hybrid_groups", "replicas_for"]
 
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int]:
     if group is None:
         return list(range(dist.get_world_size()))
     return list(dist.get_process_group_ranks(group))
+
+
+def hybrid_groups(
+    shard_size: int | str,
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's ``(shard group, replicate group)`` when the world is cut into shard groups
+    of `shard_size` consecutive ranks (DeepSpeed's ``mics_shard_size``; ``"node"``: a node's
+    ranks, `zcomm.node_layout`; -1 or the world size: ``(None, None)``, plain ZeRO-3).
+    Consecutive, because torchrun numbers a node's ranks so: a shard group of a node's size
+    never leaves it. Every rank must call it alike the first time (it builds every group;
+    zcomm caches them)."""
+    world = dist.get_world_size()
+    if shard_size == "node":
+        shard_size = zcomm.node_layout().ranks_per_node
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int):
+        raise ZeroParamError(f'shard size {shard_size!r}: expected a number of ranks or "node"')
+    if shard_size == -1 or shard_size == world:
+        return None, None
+    if shard_size < 1 or world % shard_size:
+        raise ZeroParamError(
+            f"shard size {shard_size}: must divide the world of {world} ranks (shard groups "
+            "of equal size, replicated across)"
+        )
+    grid = ProcessTopology(axes=["replica", "shard"], dims=[world // shard_size, shard_size])
+    return zcomm.get_axis_group(grid, "shard"), zcomm.get_axis_group(grid, "replica")
 
 
 def replicas_for(

@@ -29,7 +29,7 @@ import zcomm
 from zpartition._gather import channel_for, new_unit
 from zpartition._gathered import GatheredParameters
 from zpartition._host_heap import fix_mmap_threshold
-from zpartition._hybrid import replicas_for
+from zpartition._hybrid import hybrid_groups, replicas_for
 from zpartition._init_writes import let_go, start, stop, suspended
 from zpartition._partitioned import convert_module
 
@@ -156,19 +156,30 @@ def _unpatch() -> None:
         nn.Module.__init_subclass__ = _saved_init_subclass  # type: ignore[method-assign]
 
 
+def _loaded(config: dict[str, Any] | str | Path | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    return config if isinstance(config, dict) else dict(json.loads(Path(config).read_text()))
+
+
 def _config_dtype(config: dict[str, Any] | str | Path | None) -> torch.dtype | None:
     """bf16 or fp16 parameters when a DeepSpeed config enables them (as DeepSpeed's Init)."""
-    if config is None:
-        return None
-    loaded: dict[str, Any] = (
-        config if isinstance(config, dict) else json.loads(Path(config).read_text())
-    )
+    loaded = _loaded(config)
     for section, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
         if (loaded.get(section) or {}).get("enabled"):  # "bfloat16": DeepSpeed's older name
             return dtype
     if (loaded.get("fp16") or {}).get("enabled"):
         return torch.float16
     return None
+
+
+def _config_groups(
+    config: dict[str, Any] | str | Path | None,
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Hybrid sharding's groups from a DeepSpeed config's ``mics_shard_size``, if it has one."""
+    loaded = _loaded(config)
+    size = (loaded.get("zero_optimization") or {}).get("mics_shard_size", -1)
+    return (None, None) if size in (-1, None) else hybrid_groups(size)
 
 
 class Init:
@@ -198,13 +209,15 @@ class Init:
             then ``zengine.load_safetensors``): the broadcast was most of the construction's
             time. Writes after construction caught inside the context (`_init_writes`) keep
             rank 0's values either way, so the parameters they touch agree across ranks.
-        replicate_group: zstack's (FSDP2's HSDP; DeepSpeed's ``MiCS_Init`` builds its groups
-            from ``mics_shard_size`` instead): hybrid sharding, the ranks holding the same
+        replicate_group: zstack's (FSDP2's HSDP): hybrid sharding, the ranks holding the same
             chunks in the other shard groups. Each module's values are then global rank 0's
             (broadcast across it, then within the shard group), and writes after
             construction replica 0's. Pass the same group to `partition` (or zengine). The
             groups must form a grid of the world: `ZeroParamError` otherwise. See [Note:
-            hybrid sharding].
+            hybrid sharding]. Without either group, a config's
+            ``zero_optimization.mics_shard_size`` makes them (`hybrid_groups`), as DeepSpeed's
+            ``MiCS_Init`` does: a model a Trainer builds under ``zero.Init`` from its DeepSpeed
+            config is then sharded as the engine will expect.
 
     Where the shards live in host memory (no CUDA, or ``remote_device="cpu"``), entering the
     outermost context fixes glibc's mmap threshold at 128 KiB for the rest of the process, so
@@ -236,6 +249,10 @@ class Init:
                 raise ValueError(f"Init({name}=True): ZeRO++ quantization is not implemented")
         self.enabled = enabled
         self.sync = sync_module_states
+        if enabled and data_parallel_group is None and replicate_group is None:
+            if not dist.is_initialized():
+                zcomm.init_distributed()
+            data_parallel_group, replicate_group = _config_groups(config_dict_or_path or config)
         self.group = data_parallel_group
         self.pin_memory = pin_memory
         self.dtype = dtype or _config_dtype(config_dict_or_path or config)

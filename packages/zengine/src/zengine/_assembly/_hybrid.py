@@ -1,9 +1,9 @@
 """Hybrid sharding's groups (``zero_optimization.mics_shard_size``): shard within, replicate
 across.
 
-The world is cut into shard groups of consecutive ranks (a node's ranks are consecutive, as
-torchrun numbers them, so a shard group of a node's size never leaves the node), and each rank's
-replicate group holds the ranks with its index in every shard group. zpartition shards the
+The world is cut into shard groups of consecutive ranks (`zpartition.hybrid_groups`, which
+`zero.Init` uses on the same config, so a model built under it is sharded alike), and each
+rank's replicate group holds the ranks with its index in every shard group. zpartition shards the
 model within the shard group and holds its gradients there; the ZeRO optimizer all-reduces its
 gradient partition across the replicate group once per step ([Note: hybrid sharding] in
 zpartition/_hybrid.py).
@@ -16,8 +16,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 import zcomm
-from zcomm import get_axis_group
-from zcomm.topology import ProcessTopology
+import zpartition
 from zengine._config import ConfigError, EngineConfig
 
 __all__ = ["HybridGroups", "hybrid_groups"]
@@ -67,11 +66,8 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
         )
     if layout is not None and zero.mics_hierarchical_params_gather:
         _check_within_nodes(layout, size, world)
-    if size == world:
-        return HybridGroups(group, None)
-    # consecutive ranks shard together: rank = replica * size + index in the shard group
-    grid = ProcessTopology(axes=["replica", "shard"], dims=[world // size, size])
-    return HybridGroups(get_axis_group(grid, "shard"), get_axis_group(grid, "replica"))
+    shard, replicate = zpartition.hybrid_groups(size)  # what zero.Init makes of the config
+    return HybridGroups(group if shard is None else shard, replicate)
 
 
 def _check_within_nodes(layout: zcomm.NodeLayout, size: int, world: int) -> None:
