@@ -4,6 +4,7 @@ ZeRO-3 within shard groups, replicas across them, gradients across them once per
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,29 @@ class TestHybridSharding(DistributedTest):
         finally:
             zcomm.enable_comm_accounting(False)
             zcomm.reset_comm_accounting()
+
+    def test_the_progress_breakdown_reports_bytes_per_link_class(self) -> None:
+        zcomm.set_node_layout(2)
+        cfg = _config("node") | {"wall_clock_breakdown": True, "steps_per_print": 1}
+        engine, _, _ = _engine(cfg)
+        grads = engine.optimizer.partitions.grad_partitions_flat_buffer
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("zengine").addHandler(handler)
+        try:
+            tokens = global_batches(1, 2 * 4)[0].view(4, 2, -1)[zcomm.get_rank()]
+            engine.backward(engine(tokens))
+            engine.step()
+        finally:
+            logging.getLogger("zengine").removeHandler(handler)
+            zcomm.enable_comm_accounting(False)
+        if zcomm.get_rank() == 0:
+            (line,) = [line for line in lines if line.startswith("bytes per step:")]
+            intra, inter = (float(part.split()[1]) for part in line.split(": ")[1].split(" | "))
+            assert line.split(": ")[1].startswith("intra_node ")
+            assert inter == round(grads.numel() * grads.element_size() / 2**20, 2)
+            assert intra > 0  # the gathers and reduce-scatters, within the node
 
     @pytest.mark.parametrize(
         ("shard_size", "problem"),

@@ -3,7 +3,8 @@
 The line says the step, the mean loss since the last line, the learning rate, the loss scale,
 samples per second and the peak memory (the accelerator's allocator peak on a GPU, the process's
 peak resident memory on CPU). With ``wall_clock_breakdown`` a table of forward, backward, step
-and communication time per step follows it. Losses are summed on the device until printed,
+and communication time per step follows it, and the bytes this rank moved per step within a
+node and across nodes (`zcomm.comm_bytes_by_link`). Losses are summed on the device until printed,
 so training does not wait on a device-to-host copy every step.
 """
 
@@ -105,9 +106,12 @@ class Progress:
     def _print_breakdown(self) -> None:
         steps = self.every
         comm = sum(s.seconds for s in zcomm.comm_summary().values())
+        links = zcomm.comm_bytes_by_link()  # this rank's, by link class (zcomm's node layout)
         zcomm.reset_comm_accounting()
         if zcomm.get_rank() == 0:
             parts = {**self.times, "communication": comm}
             table = " | ".join(f"{k} {v / steps * 1e3:.2f} ms" for k, v in parts.items())
             log.info("time per step: %s", table)
+            moved = " | ".join(f"{k} {v / steps / 2**20:.2f} MiB" for k, v in links.items())
+            log.info("bytes per step: %s", moved)
         self.times = dict.fromkeys(self.times, 0.0)
