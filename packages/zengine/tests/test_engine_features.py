@@ -576,7 +576,9 @@ class TestAttributesOfTheModel(DistributedTest):
         assert engine.greeting() == "hello"
         first = next(iter(model.named_children()))
         assert getattr(engine, first[0]) is first[1]  # a submodule, by its name
-        assert engine.config != "the model's"  # the engine's own attributes come first
+        # the engine's own attributes come first: its config, not the model's string
+        assert model.config == "the model's"
+        assert type(engine.config).__name__ == "EngineConfig"
         with pytest.raises(AttributeError, match=r"neither the engine \(Engine\) nor its module"):
             engine.no_such_thing  # noqa: B018
         assert not hasattr(engine, "no_such_thing")
