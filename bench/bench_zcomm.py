@@ -1,11 +1,10 @@
 """zcomm against raw torch.distributed on 2 gloo ranks; prints markdown tables.
 
-Run by ``nox -s bench -- zcomm`` (or ``python bench/bench_zcomm.py``). Three figures:
+Run by ``nox -s bench -- zcomm`` (or ``python bench/bench_zcomm.py``). Two figures:
 
 1. all-gather and reduce-scatter, 64 KiB to 64 MiB, zcomm vs the same torch.distributed call,
    interleaved (the two alternate, in alternating order), medians, bus bandwidth side by side;
-2. one coalesced all-gather of 100 small tensors vs 100 separate all-gathers;
-3. the wall time of a `zcomm.testing.DistributedTest` of 2 ranks doing one all-reduce, with the
+2. the wall time of a `zcomm.testing.DistributedTest` of 2 ranks doing one all-reduce, with the
    worker pool warm.
 """
 
@@ -27,7 +26,6 @@ from zcomm.testing import DistributedTest
 
 WORLD = 2
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]  # bytes of the full tensor
-SMALL_TENSORS, SMALL_NUMEL = 100, 1024
 _raw_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _raw_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
@@ -139,27 +137,12 @@ def _collective_rows() -> list[dict[str, float | str]]:
     return rows
 
 
-def _coalesced_row() -> dict[str, float]:
-    inputs = [torch.ones(SMALL_NUMEL) for _ in range(SMALL_TENSORS)]
-    outputs = [torch.empty(WORLD * SMALL_NUMEL) for _ in range(SMALL_TENSORS)]
-
-    def separate() -> None:
-        for out, inp in zip(outputs, inputs, strict=True):
-            _raw_gather(out, inp)
-
-    (t_coalesced, t_separate), _ = _interleaved(
-        [lambda: zcomm.all_gather_coalesced(outputs, inputs), separate], 31
-    )
-    return {"coalesced_ms": 1e3 * t_coalesced, "separate_ms": 1e3 * t_separate}
-
-
 def _rank_main() -> None:
     """One rank of the measurement (started by `main` with torchrun's variables)."""
     torch.set_num_threads(1)  # two ranks on a few cores; threads would only contend
     zcomm.init_distributed("gloo")
     result = {
         "collectives": _collective_rows(),
-        "coalesced": _coalesced_row(),
     }
     if zcomm.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -230,13 +213,6 @@ def _print_tables(result: dict[str, object], cold: float, warm: float) -> None:
     for op, us in overhead.items():
         print(f"| {op} | {us:.1f} | {us / 1e3 / one_mib[op]:.1%} |")
     print()
-    co = result["coalesced"]
-    assert isinstance(co, dict)
-    print(f"| all-gather of {SMALL_TENSORS} tensors of {SMALL_NUMEL} fp32 per rank | ms (median) |")
-    print("|---|---:|")
-    print(f"| zcomm.all_gather_coalesced (one collective) | {co['coalesced_ms']:.3f} |")
-    print(f"| {SMALL_TENSORS} x torch.distributed all-gather | {co['separate_ms']:.3f} |")
-    print(f"| speed-up | {co['separate_ms'] / co['coalesced_ms']:.1f}x |\n")
     print("| DistributedTest, 2 ranks, one all-reduce | wall s |")
     print("|---|---:|")
     print(f"| first run (starts the worker pool) | {cold:.3f} |")
