@@ -51,6 +51,12 @@ class ZeroParamConfig:
     """Keep each dtype's gradient bucket between backward passes (DeepSpeed's contiguous
     gradient buffer) instead of allocating it per pass: worth it on accelerators, whose caching
     allocator keeps the memory anyway; on CPU the freed bucket goes back to the system."""
+    secondary_partition_size: int = 1
+    """ZeRO++'s hpZ (DeepSpeed's ``zero_hpz_partition_size``, FSDP2's
+    ``reshard_after_forward=<int>``): after a unit's forward all-gather each rank keeps 1/S of
+    the unit, so that the backward gathers it within a group of S ranks inside a node instead
+    of across the world ([Note: secondary partition]). S must divide a node's ranks and the
+    number of ranks partitioned across (`ZeroParamError` at `partition` otherwise); 1: off."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -79,12 +85,14 @@ class ZeroParamConfig:
                 if not isinstance(value, bool):
                     raise TypeError(f"ZeroParamConfig.{field.name} must be a bool, got {value!r}")
                 continue
+            ranks = field.name == "secondary_partition_size"  # the only count of ranks
             if isinstance(value, float) and value.is_integer():
                 object.__setattr__(self, field.name, int(value))  # JSON configs write 1e5
             elif not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(
-                    f"ZeroParamConfig.{field.name} must be an integer number of elements, "
-                    f"got {value!r}"
+                    f"ZeroParamConfig.{field.name} must be an integer number of "
+                    f"{'ranks' if ranks else 'elements'}, got {value!r}"
                 )
-            if getattr(self, field.name) < 0:
-                raise ValueError(f"ZeroParamConfig.{field.name} must be >= 0, got {value}")
+            if getattr(self, field.name) < (1 if ranks else 0):
+                least = "1 (1: off)" if ranks else "0"
+                raise ValueError(f"ZeroParamConfig.{field.name} must be >= {least}, got {value}")

@@ -13,7 +13,9 @@ backward (siamese losses, a policy on chosen then rejected) keeps two plans, the
 holding the backward of both, where one trace would be dropped at every backward. When modules run
 in another order than the plan says, the plan is dropped with one warning and the pass goes on
 without prefetching; the next pass records again. Ranks never act on the plan without agreeing
-first: every gather is announced through the channel (see [Note: agreement]).
+first: every gather is announced through the channel (see [Note: agreement]). With a secondary
+partition, a unit holding a secondary shard is gathered from it, within its secondary group,
+and a training forward's gathers keep one: [Note: secondary partition] (`_secondary.py`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class Coordinator:
         self._warned = False
         self._keep_direct = config.max_reuse_distance > 0
         self.invalidations = 0  # how many times a plan was dropped (a metric, not an error)
+        # between a backward's first hook and its end (the hooks set it): gathers keep no
+        # secondary shard then, and a unit's fetch ends the one it holds
+        self.in_backward = False
 
     # -- passes ----------------------------------------------------------------------------
 
@@ -94,6 +99,11 @@ class Coordinator:
                 unit.users.clear()
                 unit.release()
 
+    def drop_secondaries(self) -> None:
+        """Drop every unit's secondary shard ([Note: secondary partition])."""
+        for unit in self.units.values():
+            unit.drop_secondary()
+
     def forget_recording(self) -> None:
         """The pass being recorded changed what modules fetch (an external parameter was
         found): its order will not repeat, so record the next pass instead."""
@@ -116,6 +126,8 @@ class Coordinator:
             if u.status is _INFLIGHT:
                 u.wait()
             u.users.add(user)
+            if self.in_backward:
+                u.drop_secondary()  # its backward gathered it (or it was kept since its forward)
         if self._plan is not None and self.prefetching:
             self._prefetch(self._plan)
 
@@ -147,8 +159,21 @@ class Coordinator:
                 unit.release()
 
     def _gather(self, units: list[Unit]) -> None:
-        self.channel.agree(Kind.GATHER, [u.uid for u in units])
-        issue_gathers(units, narrow=True)  # for a pass: comm_dtype's narrower dtypes may go
+        """Gather `units` for a pass (comm_dtype's narrower dtypes may go): those holding a
+        secondary shard within their secondary group, the others from the primary shards,
+        keeping a secondary shard in a training forward. Each part is agreed on its own
+        group's channel ([Note: secondary partition])."""
+        secondary = [u for u in units if u.holds_secondary()]
+        primary = [u for u in units if u.secondary is None] if secondary else units
+        if primary:
+            self.channel.agree(Kind.GATHER, [u.uid for u in primary])
+            keep = not self.in_backward and torch.is_grad_enabled()
+            issue_gathers(primary, narrow=True, keep=keep)
+        if secondary:
+            hpz = secondary[0].hpz
+            assert hpz is not None
+            hpz.agree(Kind.GATHER, [u.uid for u in secondary])
+            issue_gathers(secondary, narrow=True, secondary=True)
 
     # -- following the plan ----------------------------------------------------------------
 

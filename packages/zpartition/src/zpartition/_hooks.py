@@ -14,6 +14,9 @@ them and its children none. Per module and pass:
   no gradient contribute zeros), reduce the queue, agree across ranks that the pass ended
   alike, release all; with replicas, all-reduce the held gradients across them when this
   backward requires it ([Note: hybrid sharding], `_hybrid.py`).
+With a secondary partition, a forward's gathers keep a secondary shard of each unit and the
+backward's fetches gather from it and drop it; the end of backward drops what is left
+([Note: secondary partition], `_secondary.py`).
 Outputs are walked with torch's pytree; objects it does not know are searched one level deep
 through their attributes, so dataclasses and plain objects pass through untouched.
 """
@@ -416,12 +419,14 @@ class State:
 
     def _start_backward(self) -> None:
         self.in_backward = True
+        self.coordinator.in_backward = True
         if self.persistent is not None:  # released since the forward (empty_partition_cache)
             self.persistent.refresh()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self.in_backward = False
+        self.coordinator.in_backward = False
         self.forwards_pending = 0
         for unit in self.units:
             if self.late_gradients:
@@ -431,7 +436,8 @@ class State:
         self._flush()
         self._finish_reductions()
         self.channel.agree(Kind.END_BACKWARD, [])
-        self.coordinator.release_all()
+        self.coordinator.release_all()  # waits for gathers in flight, from secondaries too
+        self.coordinator.drop_secondaries()  # of units whose backward fetched nothing
         if self.replicas is not None and self.sink is None and self.requires_all_reduce:
             self.replicas.all_reduce()
 

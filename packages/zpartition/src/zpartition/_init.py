@@ -32,6 +32,7 @@ from zpartition._host_heap import fix_mmap_threshold
 from zpartition._hybrid import hybrid_groups, replicas_for
 from zpartition._init_writes import let_go, start, stop, suspended
 from zpartition._partitioned import convert_module
+from zpartition._secondary import check_secondary_size
 
 __all__ = ["Init"]
 
@@ -182,6 +183,12 @@ def _config_groups(
     return (None, None) if size in (-1, None) else hybrid_groups(size)
 
 
+def _config_secondary_size(config: dict[str, Any] | str | Path | None) -> Any:
+    """A DeepSpeed config's ``zero_hpz_partition_size`` (1, hpZ off, when it has none)."""
+    size = (_loaded(config).get("zero_optimization") or {}).get("zero_hpz_partition_size", 1)
+    return 1 if size is None else size
+
+
 class Init:
     """Partition parameters as modules are built: ``with zpartition.Init(): model = Net()``.
 
@@ -218,6 +225,12 @@ class Init:
             ``zero_optimization.mics_shard_size`` makes them (`hybrid_groups`), as DeepSpeed's
             ``MiCS_Init`` does: a model a Trainer builds under ``zero.Init`` from its DeepSpeed
             config is then sharded as the engine will expect.
+
+    A config's ``zero_optimization.zero_hpz_partition_size`` (ZeRO++'s hpZ; zpartition's
+    ``ZeroParamConfig.secondary_partition_size``) is checked here as `partition` checks it (it
+    must divide a node's ranks and the group's: `ZeroParamError`), so a bad one fails before the
+    model is built; it changes nothing in how `Init` cuts: the secondary shards are kept by a
+    partitioned model's forward passes ([Note: secondary partition]).
 
     Where the shards live in host memory (no CUDA, or ``remote_device="cpu"``), entering the
     outermost context fixes glibc's mmap threshold at 128 KiB for the rest of the process, so
@@ -271,6 +284,9 @@ class Init:
         if enabled and not dist.is_initialized():
             zcomm.init_distributed()
         self.replicate = replicas_for(self.group, replicate_group) if enabled else None
+        if enabled:
+            secondary = _config_secondary_size(config_dict_or_path or config)
+            check_secondary_size(secondary, dist.get_world_size(self.group))
         if module is not None and enabled:
             self._fix_host_heap()
             for m in module.modules():

@@ -30,6 +30,7 @@ from zpartition._param import (
     zero_params,
 )
 from zpartition._reduce import GradientSink
+from zpartition._secondary import secondary_channel
 from zpartition._status import ZeroParamStatus
 from zpartition._store import ShardStore
 from zpartition._unit import Unit, fetch_shards
@@ -151,6 +152,15 @@ class Partitioned:
         replicas = self._state.replicas
         return None if replicas is None else replicas.group
 
+    @property
+    def secondary_group(self) -> dist.ProcessGroup | None:
+        """This rank's secondary group (``ZeroParamConfig.secondary_partition_size``
+        consecutive ranks within a node), where the backward gathers what the forward's
+        gathers kept ([Note: secondary partition]); None without a secondary partition."""
+        units = self._state.coordinator.units.values()
+        hpz = next((u.hpz for u in units if u.hpz is not None), None)
+        return None if hpz is None else hpz.group
+
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Whether the next backward passes all-reduce the gradients across the replicate group
         (FSDP2's switch for HSDP; True at first). While False, each backward only
@@ -258,8 +268,10 @@ class Partitioned:
     def release_all(self, *, persistent: bool = True) -> None:
         """Release every gathered parameter, the persistent ones too unless `persistent` is
         False (DeepSpeed's ``empty_partition_cache``): the next forward or backward gathers
-        what it needs."""
+        what it needs. Secondary shards go too ([Note: secondary partition]): a backward still
+        to come gathers from the primary shards."""
         self._state.coordinator.release_all()
+        self._state.coordinator.drop_secondaries()
         if persistent and self._state.persistent is not None:
             self._state.persistent.release()
 
@@ -283,6 +295,7 @@ class Partitioned:
         for handle in self._state.handles:
             handle.remove()
         self._state.handles.clear()
+        self._state.coordinator.drop_secondaries()
         for m in self.module.modules():
             if isinstance(m._parameters, ParamDict):
                 m._parameters = dict(m._parameters)
@@ -339,6 +352,14 @@ def partition(
     there, then all-reduced across the replicas at the end of a backward
     (`Partitioned.set_requires_all_reduce`); see [Note: hybrid sharding]. Parameters built
     under `Init` must have been built with the same `replicate_group`.
+
+    ``config.secondary_partition_size`` S > 1: ZeRO++'s hpZ (FSDP2's
+    ``reshard_after_forward=S``): a forward's gather keeps 1/S of each unit on this rank until
+    its backward, which gathers it within a group of S consecutive ranks of `group` on one node
+    ([Note: secondary partition]); with `replicate_group`, within the shard group. S must divide
+    a node's ranks (`zcomm.node_layout`) and `group`'s size, each secondary group must lie on
+    one node (`ZeroParamError` otherwise), and every rank of the world partitions at once (the
+    secondary groups are built by all).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition: module must be an nn.Module, got {type(module).__name__}")
@@ -347,6 +368,8 @@ def partition(
         zcomm.init_distributed()
     replicate = replicas_for(group, replicate_group)
     _check_replicas_of_init(module, replicate)
+    # before anything is cut: a size that does not fit leaves the model as it was
+    hpz = secondary_channel(channel_for(group), config.secondary_partition_size)
     convert_module(
         module,
         group=group,
@@ -365,6 +388,8 @@ def partition(
     persistent = _persistent_unit(module, channel, persistent_ids)
     for unit in [*units, *([persistent] if persistent is not None else [])]:
         unit.replicate = replicate
+    for unit in units:  # the persistent unit is never released: it needs none
+        unit.hpz = None if unit.direct else hpz
     coordinator = Coordinator(config, channel, units)
     state = State(module, infos, coordinator, persistent, channel)
     state.sink = gradient_sink

@@ -19,13 +19,17 @@ The full buffer is freed by resizing its storage to 0 bytes, not by dropping it:
 views of it (``addmm`` saves ``weight.t()``), and resizing frees the memory under those views,
 while the gather before backward fills the same storage again (FSDP2 frees the same way). With
 one rank and the shard on the compute device, the shard *is* the full data: nothing is copied.
+
+With a secondary partition, a forward's gather keeps some of its rows, and the backward gathers
+them within a node instead of the rows of every rank: [Note: secondary partition]
+(`_secondary.py`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -97,7 +101,8 @@ class _GradGroup:
 
 class _Gather:
     """One all-gather of several units' shards, laid side by side; each unit copies its part
-    out when it is first needed (rows are ranks, each row every unit's shard in turn)."""
+    out when it is first needed (rows are ranks, each row every unit's shard in turn; in a
+    secondary group's gather, each row k ranks' rows of every unit in turn)."""
 
     __slots__ = ("_gathered", "_handle", "_ranks")
 
@@ -111,6 +116,29 @@ class _Gather:
             self._handle.wait()
             self._handle = None
         return self._gathered.view(self._ranks, -1)
+
+
+class _Pending:
+    """A unit's part of a gather in flight: where it lies, and what to do with it."""
+
+    __slots__ = ("gather", "keep", "secondary", "start", "wire")
+
+    def __init__(
+        self, gather: _Gather, start: int, wire: bool, keep: int | None, secondary: bool
+    ) -> None:
+        self.gather = gather
+        self.start = start  # its first byte in each row
+        self.wire = wire  # it carries the wire copy (narrowed chunks)
+        self.keep = keep  # keep a secondary shard, of the shards at this version (None: not)
+        self.secondary = secondary  # the rows come from the secondary group's shards
+
+
+class _Secondary(NamedTuple):
+    """A secondary shard ([Note: secondary partition]): k rows of a forward's gather."""
+
+    rows: torch.Tensor  # k rows of the unit's gathered bytes, back to back
+    wire: bool  # they are wire bytes (the forward gathered narrowed chunks)
+    version: int  # the shards' version they were gathered from
 
 
 def fetch_shards(units: Sequence[Unit]) -> None:
@@ -130,11 +158,17 @@ and the copy-out never holds more than this twice (a prefetch bucket of 5e7 fp32
 would otherwise hold 200 MB twice through a forward)."""
 
 
-def issue_gathers(units: Sequence[Unit], *, narrow: bool = False) -> None:
+def issue_gathers(
+    units: Sequence[Unit], *, narrow: bool = False, keep: bool = False, secondary: bool = False
+) -> None:
     """Start the all-gather of `units` (agreed with the other ranks first), small units
     together: a prefetch bucket of many small modules costs one collective's latency, not
-    one each. `narrow`: for a pass, the parameters with a narrower ``comm_dtype`` in it."""
-    fetch_shards(units)  # offloaded shards come back first
+    one each. `narrow`: for a pass, the parameters with a narrower ``comm_dtype`` in it.
+    `keep`: each unit with a secondary group keeps its secondary shard of what comes;
+    `secondary`: gather the units' secondary shards within their secondary group instead
+    ([Note: secondary partition])."""
+    if not secondary:
+        fetch_shards(units)  # offloaded shards come back first (secondaries need none)
     batch: list[tuple[Unit, bool]] = []
     held = 0
     for u in units:
@@ -142,29 +176,45 @@ def issue_gathers(units: Sequence[Unit], *, narrow: bool = False) -> None:
         if u.direct:
             u._show()
             continue
-        wire_bytes = u.wire_bytes if narrow else None  # None: the shard goes as it is
-        nbytes = u.channel.size * (wire_bytes or u.shard.numel())
+        if secondary:
+            assert u.secondary is not None
+            wire = u.secondary.wire
+        else:
+            wire = narrow and u.wire_bytes is not None  # else the shard goes as it is
+        nbytes = u.channel.size * u.row_bytes(wire)  # the same from either group
         if batch and held + nbytes > _COALESCE_BYTES:
-            _gather_together(batch)
+            _gather_together(batch, keep=keep, secondary=secondary)
             batch, held = [], 0
-        batch.append((u, wire_bytes is not None))
+        batch.append((u, wire))
         held += nbytes
     if batch:
-        _gather_together(batch)
+        _gather_together(batch, keep=keep, secondary=secondary)
 
 
-def _gather_together(units: list[tuple[Unit, bool]]) -> None:
+def _gather_together(
+    units: list[tuple[Unit, bool]], *, keep: bool = False, secondary: bool = False
+) -> None:
     """One all-gather of the shards (or, with the flag, the narrow wire copies) of `units`,
-    laid side by side, left in flight."""
-    channel, device = units[0][0].channel, units[0][0].device
-    sources = [u.wire() if wire else u.shard for u, wire in units]
+    laid side by side, left in flight; with `secondary`, of their secondary shards within
+    their secondary group."""
+    first = units[0][0]
+    channel, device = (first.hpz if secondary else first.channel), first.device
+    assert channel is not None
+    sources = [
+        u.secondary.rows
+        if secondary and u.secondary is not None
+        else (u.wire() if wire else u.shard)
+        for u, wire in units
+    ]
     sources = [t if t.device == device else t.to(device) for t in sources]
     source = sources[0] if len(sources) == 1 else torch.cat(sources)
     gathered = source.new_empty(channel.size * source.numel())
     handle = zcomm.all_gather_into_tensor(gathered, source, group=channel.group, async_op=True)
     gather, start = _Gather(handle, gathered, channel.size), 0
     for (u, wire), part in zip(units, sources, strict=True):
-        u._pending = (gather, start, wire)
+        # the shards' version now: what the secondary shard will be a copy of
+        version = u.shard._version if keep and u.hpz is not None else None
+        u._pending = _Pending(gather, start, wire, version, secondary)
         start += part.numel()
         u.status = _INFLIGHT
         for p in u.params:
@@ -191,8 +241,11 @@ class Unit:
         self.status = _NOT_AVAILABLE
         self.users: set[int] = set()  # ids of modules (and contexts) that need it gathered now
         self.persistent = False  # kept gathered all the time (never released)
-        # the gather in flight: its rows, our offset in them, whether it carries the wire
-        self._pending: tuple[_Gather, int, bool] | None = None
+        self._pending: _Pending | None = None  # the gather in flight
+        # the secondary group (None: no secondary partition, or a persistent unit) and the
+        # secondary shard held from a forward: [Note: secondary partition]
+        self.hpz: Channel | None = None
+        self.secondary: _Secondary | None = None
         self.narrowed = False  # the full buffer holds values gathered narrow (for a pass)
         self.numel = sum(int(p.ds_numel) for p in self.params)
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
@@ -262,6 +315,13 @@ class Unit:
             end = _aligned(end + c * (narrow or p.dtype).itemsize)
         self.wire_bytes = end
 
+    def row_bytes(self, wire: bool) -> int:
+        """The bytes of this unit in one row of a gather (one rank's shard, or its wire copy)."""
+        if wire:
+            assert self.wire_bytes is not None
+            return self.wire_bytes
+        return int(self.shard.numel())
+
     def wire(self) -> torch.Tensor:
         """The shard as a pass gathers it: the narrowed parameters' chunks cast down."""
         assert self.wire_bytes is not None
@@ -324,24 +384,62 @@ class Unit:
             return
         pending, self._pending = self._pending, None
         assert pending is not None
-        gather, start, wire = pending
-        rows = gather.rows()
+        wire, row = pending.wire, self.row_bytes(pending.wire)
+        rows = pending.gather.rows()
+        if pending.secondary:
+            # (S, k * row): secondary rank j's k rows are the group's rows j*k to j*k + k - 1,
+            # so as (S, k, row) they are the primary gather's (W, row), in order
+            assert self.hpz is not None
+            k = self.channel.size // self.hpz.size
+            part = rows[:, pending.start : pending.start + k * row].view(self.hpz.size, k, row)
+        else:
+            part = rows[:, pending.start : pending.start + row]
+            if pending.keep is not None:
+                self._keep_secondary(part, wire, pending.keep)
         self.full.untyped_storage().resize_(self._full_bytes)
         if wire:  # the narrowed chunks widen as they are copied
-            torch._foreach_copy_(
-                [dst for dst, _, _, _ in self._wire_plan],
-                [
-                    _as(rows[:, start + off : start + off + n], narrow)
-                    for _, off, n, narrow in self._wire_plan
-                ],
-            )
+            dsts = [dst for dst, _, _, _ in self._wire_plan]
+            srcs = [_as(part[..., off : off + n], narrow) for _, off, n, narrow in self._wire_plan]
         else:
-            torch._foreach_copy_(
-                [dst for dst, _, _ in self._copy_plan],
-                [rows[:, start + off : start + off + n] for _, off, n in self._copy_plan],
-            )
+            dsts = [dst for dst, _, _ in self._copy_plan]
+            srcs = [part[..., off : off + n] for _, off, n in self._copy_plan]
+        if pending.secondary:  # the (W, ...) destinations as (S, k, ...), like the rows
+            dsts = [dst.view(*part.shape[:-1], -1) for dst in dsts]
+        torch._foreach_copy_(dsts, srcs)
         self.narrowed = wire
         self._show()
+
+    # -- the secondary shard ([Note: secondary partition]) ---------------------------------
+
+    def _keep_secondary(self, part: torch.Tensor, wire: bool, version: int) -> None:
+        """Copy this rank's k rows of a forward's gathered `part` (W rows) out of the gather's
+        buffer, which goes once every unit in it has copied its part."""
+        assert self.hpz is not None
+        k = self.channel.size // self.hpz.size
+        mine = part[self.hpz.rank * k : (self.hpz.rank + 1) * k]
+        rows = torch.empty(mine.numel(), dtype=torch.uint8, device=mine.device)
+        rows.view(mine.shape).copy_(mine)
+        self.secondary = _Secondary(rows, wire, version)
+
+    def holds_secondary(self) -> bool:
+        """Whether a secondary shard of the shards as they are now is held (one kept before
+        the shards changed is dropped: the primaries hold the new values)."""
+        held = self.secondary
+        if held is None:
+            return False
+        if held.version != self.shard._version:
+            self.secondary = None
+            return False
+        return True
+
+    def drop_secondary(self) -> None:
+        self.secondary = None
+
+    @property
+    def secondary_bytes(self) -> int:
+        """The bytes of the secondary shard held now (0: none)."""
+        held = self.secondary
+        return 0 if held is None else int(held.rows.numel())
 
     def make_exact(self) -> None:
         """If the full buffer holds narrowed values (a pass gathered it), gather it again as
