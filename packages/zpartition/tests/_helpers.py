@@ -3,7 +3,8 @@ parameters, and the reference trainer without partitioning that it is compared w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -136,3 +137,37 @@ def externals(module: nn.Module) -> dict[int, Any]:
     """``module._external_params`` (typed: nn.Module's __getattr__ hides it from mypy)."""
     found: dict[int, Any] = module.__dict__.get("_external_params", {})
     return found
+
+
+@contextlib.contextmanager
+def nodes_of(ranks_per_node: int) -> Iterator[None]:
+    """The world as nodes of `ranks_per_node` consecutive ranks inside (``zcomm.set_node_layout``:
+    4 processes as 2 nodes of 2), one node again after, as a world without a launcher is."""
+    import zcomm
+
+    zcomm.set_node_layout(ranks_per_node)
+    try:
+        yield
+    finally:
+        zcomm.set_node_layout(zcomm.get_world_size())
+
+
+def link_bytes(run: Callable[[], object]) -> dict[str, tuple[int, int]]:
+    """The bytes `run()` communicated, per operation: (within a node, across nodes)."""
+    import zcomm
+
+    zcomm.enable_comm_accounting()
+    zcomm.reset_comm_accounting()
+    try:
+        run()
+        summary = zcomm.comm_summary()
+    finally:
+        zcomm.enable_comm_accounting(False)
+    return {op: (s.intra_node_bytes, s.inter_node_bytes) for op, s in summary.items()}
+
+
+def pass_bytes(model: nn.Module, tokens: torch.Tensor) -> list[dict[str, tuple[int, int]]]:
+    """`link_bytes` of the forward of `model` on `tokens` (its loss), then of its backward."""
+    losses: list[torch.Tensor] = []
+    forward = link_bytes(lambda: losses.append(model(tokens)))
+    return [forward, link_bytes(lambda: losses[0].backward())]
