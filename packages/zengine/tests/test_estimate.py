@@ -217,3 +217,34 @@ def test_zero2_tables(capsys):
     live = capsys.readouterr().out
     estimate_zero2_model_states_mem_needs_all_cold(325, 2)
     assert live == capsys.readouterr().out
+
+
+def test_hybrid_sharding_spreads_the_states_over_the_shard_group():
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10))  # 1,011,010 params
+    total = sum(p.numel() for p in model.parameters())
+    plain = estimate_memory(model, num_gpus_per_node=8, num_nodes=4)
+    hybrid = estimate_memory(model, num_gpus_per_node=8, num_nodes=4, shard_size=8)
+    one_node = estimate_memory(model, num_gpus_per_node=8, num_nodes=1)
+    # a shard group of a node holds what one node alone would: 18 bytes / 8 GPUs, not / 32
+    assert [r.per_gpu_bytes for r in hybrid] == [r.per_gpu_bytes for r in one_node]
+    no_offload = hybrid[-1]
+    assert no_offload.per_gpu_bytes == 4 * 1_001_000 + int(18 * total / 8)  # + largest layer
+    assert plain[-1].per_gpu_bytes == 4 * 1_001_000 + int(18 * total / 32)
+    # two shard groups of 4 on each node of 8: each node hosts both groups' offloaded states
+    halves = estimate_memory(model, num_gpus_per_node=8, num_nodes=4, shard_size=4)
+    four = estimate_memory(model, num_gpus_per_node=4, num_nodes=1)
+    assert halves[0].per_cpu_bytes == 2 * four[0].per_cpu_bytes
+    with pytest.raises(ValueError, match="shard_size=3.*must divide the 32 GPUs"):
+        estimate_memory(model, num_gpus_per_node=8, num_nodes=4, shard_size=3)
+
+
+def test_hpz_adds_its_secondary_shards_to_each_gpu():
+    model = nn.Linear(1000, 1000)
+    total = sum(p.numel() for p in model.parameters())
+    plain = estimate_memory(model, num_gpus_per_node=8, num_nodes=2)
+    hpz = estimate_memory(model, num_gpus_per_node=8, num_nodes=2, hpz_partition_size=8)
+    for p, h in zip(plain, hpz, strict=True):
+        assert h.secondary_bytes == int(2 * total / 8)
+        assert h.per_gpu_bytes == p.per_gpu_bytes + h.secondary_bytes
+        assert h.per_cpu_bytes == p.per_cpu_bytes
+    assert all(r.secondary_bytes == 0 for r in plain)

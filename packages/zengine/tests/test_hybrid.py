@@ -81,6 +81,29 @@ class TestHybridSharding(DistributedTest):
             zcomm.enable_comm_accounting(False)
             zcomm.reset_comm_accounting()
 
+    def test_hpz_keeps_the_backward_gathers_in_the_node(self) -> None:
+        # zero_hpz_partition_size 2 on 2 nodes x 2: plain ZeRO-3's losses, and fewer bytes
+        # across nodes (the backward's gathers of released units stay in the node)
+        zcomm.set_node_layout(2)
+        crossed = {}
+        for hpz in (1, 2):
+            cfg = _config(-1, stage3_max_reuse_distance=0, zero_hpz_partition_size=hpz)
+            engine, _, reference = _engine(cfg)
+            data = global_batches(2, 2 * 4)
+            zcomm.enable_comm_accounting()
+            zcomm.reset_comm_accounting()
+            try:
+                losses = train_engine(engine, data)
+                crossed[hpz] = zcomm.comm_bytes_by_link()["inter_node"]
+            finally:
+                zcomm.enable_comm_accounting(False)
+            expected = plain_losses(reference, data, lr=LR, clip=0.5)
+            torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+        assert 0 < crossed[2] < crossed[1]
+        for bad, problem in ((4, "must divide a node's 2 ranks"), (3, "must divide a node's")):
+            with pytest.raises(ValueError, match=f"zero_hpz_partition_size: {bad} {problem}"):
+                _engine(_config(-1, zero_hpz_partition_size=bad))
+
     def test_the_progress_breakdown_reports_bytes_per_link_class(self) -> None:
         zcomm.set_node_layout(2)
         cfg = _config("node") | {"wall_clock_breakdown": True, "steps_per_print": 1}
@@ -125,6 +148,14 @@ class TestHybridSharding(DistributedTest):
 
 class TestHybridStages(DistributedTest):
     world_size = 2
+
+    def test_hpz_is_stage_3s(self) -> None:
+        cfg = engine_config(2)
+        cfg["zero_optimization"]["zero_hpz_partition_size"] = 2
+        with pytest.raises(
+            ValueError, match="zero_hpz_partition_size: ZeRO\\+\\+'s hpZ is stage 3"
+        ):
+            zengine.initialize(model=TinyGPT(), config=cfg)
 
     def test_hybrid_sharding_is_stage_3s(self) -> None:
         cfg = engine_config(2)

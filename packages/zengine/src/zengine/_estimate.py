@@ -15,7 +15,7 @@ whole on each GPU. Activations and temporary buffers are not included;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -52,6 +52,9 @@ class MemoryEstimate:
     per_gpu_bytes: int
     per_cpu_bytes: int
     """Per node (host), for all the GPUs of the node together."""
+    secondary_bytes: int = 0
+    """Of `per_gpu_bytes`, hpZ's secondary shards (``zero_hpz_partition_size``): 1/n of every
+    released module's 16-bit parameters, all of them held at the end of a forward."""
 
     def options(self) -> str:
         """The options column of DeepSpeed's table."""
@@ -223,17 +226,43 @@ def estimate_memory(
     num_gpus_per_node: int = 1,
     num_nodes: int = 1,
     additional_buffer_factor: float = 1.5,
+    *,
+    shard_size: int | None = None,
+    hpz_partition_size: int = 1,
 ) -> list[MemoryEstimate]:
     """The rows of DeepSpeed's ZeRO-3 estimate table for `model`, in the table's order.
 
     Parameters are counted at full size even when already partitioned (``ds_numel``), so it
     works before or after ``zero.Init``; a model on the ``meta`` device works too. The largest
     layer is the module owning the most parameters directly (not through its children).
+    zstack's keywords: `shard_size`, hybrid sharding's (``mics_shard_size``: the states spread
+    over that many GPUs, each node holding its GPUs' shard groups); `hpz_partition_size`,
+    hpZ's secondary shards added to each GPU (`MemoryEstimate.secondary_bytes`).
     """
     total, largest = _model_params(model)
-    return _estimates(
-        "estimate_memory", total, largest, num_gpus_per_node, num_nodes, additional_buffer_factor
-    )
+    gpus, nodes, hosts = num_gpus_per_node, num_nodes, 1.0
+    if shard_size is not None:
+        _check_count("estimate_memory", "shard_size", shard_size, 1)
+        if (num_gpus_per_node * num_nodes) % shard_size:
+            raise ValueError(
+                f"estimate_memory(shard_size={shard_size}): must divide the "
+                f"{num_gpus_per_node * num_nodes} GPUs"
+            )
+        # one shard group's states, as a setup of its own; a node hosts its GPUs' groups
+        gpus, nodes = min(shard_size, num_gpus_per_node), max(1, shard_size // num_gpus_per_node)
+        hosts = max(1.0, num_gpus_per_node / shard_size)
+    _check_count("estimate_memory", "hpz_partition_size", hpz_partition_size, 1)
+    secondary = 0 if hpz_partition_size == 1 else int(2 * total / hpz_partition_size)
+    rows = _estimates("estimate_memory", total, largest, gpus, nodes, additional_buffer_factor)
+    return [
+        replace(
+            row,
+            per_cpu_bytes=int(row.per_cpu_bytes * hosts),
+            per_gpu_bytes=row.per_gpu_bytes + secondary,
+            secondary_bytes=secondary,
+        )
+        for row in rows
+    ]
 
 
 def _print_table(

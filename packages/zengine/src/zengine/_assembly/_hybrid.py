@@ -33,6 +33,7 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
     """This rank's shard and replicate groups for `cfg` over the data-parallel `group` (None:
     the world). Collective on first use (every rank builds every group, cached by zcomm)."""
     zero = cfg.zero_optimization
+    _check_secondary(cfg)
     wanted = zero.mics_shard_size
     if wanted == -1 and not zero.mics_hierarchical_params_gather:
         return HybridGroups(group, None)
@@ -68,6 +69,27 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
         _check_within_nodes(layout, size, world)
     shard, replicate = zpartition.hybrid_groups(size)  # what zero.Init makes of the config
     return HybridGroups(group if shard is None else shard, replicate)
+
+
+def _check_secondary(cfg: EngineConfig) -> None:
+    """``zero_hpz_partition_size``: stage 3's, and a divisor of a node's ranks (zpartition
+    checks the rest: that it divides the shard group, with its groups inside nodes)."""
+    size = cfg.zero_optimization.zero_hpz_partition_size
+    if size == 1:
+        return
+    key = "zero_optimization.zero_hpz_partition_size"
+    if cfg.zero_stage != 3:
+        raise ConfigError(
+            [f"{key}: ZeRO++'s hpZ is stage 3's; this config runs stage {cfg.zero_stage}"]
+        )
+    per_node = zcomm.node_layout().ranks_per_node  # collective the first time, as above
+    if per_node % size:
+        raise ConfigError(
+            [
+                f"{key}: {size} must divide a node's {per_node} ranks (the "
+                "secondary shards are gathered within a node)"
+            ]
+        )
 
 
 def _check_within_nodes(layout: zcomm.NodeLayout, size: int, world: int) -> None:

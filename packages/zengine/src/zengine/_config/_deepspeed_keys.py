@@ -134,7 +134,6 @@ _KEYS = (
         )
     ),
     _Key((_ZERO, "legacy_stage1"), "legacy stage 1", _is(False), "false"),
-    _Key((_ZERO, "zero_hpz_partition_size"), "ZeRO++ hpZ", _is(1), "1"),
     _Key((_ZERO, "zero_quantized_weights"), "ZeRO++ quantized weights", _is(False), "false"),
     _Key(
         (_ZERO, "zero_quantized_nontrainable_weights"),

@@ -208,6 +208,7 @@ class EngineConfig(_Sections):
             overlap_comm=zero.overlap_comm,
             module_granularity_threshold=zero.stage3_module_granularity_threshold,
             reduce_dtype=self.communication_dtype,
+            secondary_partition_size=zero.zero_hpz_partition_size,
         )
 
 

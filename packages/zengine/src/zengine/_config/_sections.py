@@ -442,6 +442,11 @@ class ZeroConfig(Section):
     optimizer state are sharded within groups of this many consecutive ranks and replicated
     across the groups; gradients cross the groups once per optimizer step. ``"node"`` (zstack's
     value): the ranks of one node. -1: shard across every rank."""
+    zero_hpz_partition_size: Annotated[int, Field(ge=1)] = 1
+    """Stage 3, ZeRO++'s hpZ (FSDP2's ``reshard_after_forward=<int>``): after a module's
+    forward all-gather each rank keeps 1/n of it, so the backward gathers it within n ranks of
+    one node instead of across every rank; it must divide a node's ranks. Costs 1/n of each
+    released module's parameters from its forward to its backward. 1: off."""
     mics_hierarchical_params_gather: Flag = False
     """DeepSpeed's two-level gather for a shard group that spans nodes: not built; true is
     accepted where every shard group lies within a node (there it changes nothing)."""
