@@ -23,7 +23,12 @@ from _common import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, ACCUMULATION, WORLD, PER_NODE = 4, 4, 4, 2
-VARIANTS = {"plain ZeRO-3": -1, "hybrid, shard within a node": "node"}
+# name: (mics_shard_size, zero_hpz_partition_size, stage3_max_reuse_distance)
+VARIANTS: dict[str, tuple[int | str, int, int]] = {
+    "plain ZeRO-3": (-1, 1, 10**9),
+    "hybrid, shard within a node": ("node", 1, 10**9),
+    "hpZ (zero_hpz_partition_size 2)": (-1, 2, 10**9),
+}
 
 
 def _train_gpt() -> Any:
@@ -35,7 +40,7 @@ def _train_gpt() -> Any:
     return module
 
 
-def _worker(shard_size: str) -> None:
+def _worker(shard_size: str, hpz: int, reuse: int) -> None:
     import json
 
     import zcomm
@@ -49,7 +54,12 @@ def _worker(shard_size: str) -> None:
     config = train_gpt.ds_config(3, bf16=False)
     config |= {"gradient_accumulation_steps": ACCUMULATION, "steps_per_print": 10**6}
     size: int | str = shard_size if shard_size == "node" else int(shard_size)
-    config["zero_optimization"] = dict(config["zero_optimization"], mics_shard_size=size)
+    config["zero_optimization"] = dict(
+        config["zero_optimization"],
+        mics_shard_size=size,
+        zero_hpz_partition_size=hpz,
+        stage3_max_reuse_distance=reuse,
+    )
     engine, *_ = zengine.initialize(model=train_gpt.GPT(), config=config)
     rank = torch.distributed.get_rank()
     data = train_gpt.batches(None, 0, rank, torch.device("cpu"))
@@ -80,8 +90,8 @@ def _worker(shard_size: str) -> None:
 
 def main() -> None:
     rows, plain_losses = [], None
-    for name, size in VARIANTS.items():
-        ranks = run_ranks(__file__, ["--worker", str(size)], world=WORLD)
+    for name, (size, hpz, reuse) in VARIANTS.items():
+        ranks = run_ranks(__file__, ["--worker", str(size), str(hpz), str(reuse)], world=WORLD)
         inter = statistics.median(float(r["inter"]) for r in ranks)  # type: ignore[arg-type]
         intra = statistics.median(float(r["intra"]) for r in ranks)  # type: ignore[arg-type]
         losses = ranks[0]["losses"]
@@ -105,7 +115,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2])
+    if len(sys.argv) > 4 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
         main()

@@ -233,13 +233,15 @@ def check(measure: bool) -> None:
     print("| variant | link | model (payload) | + headers | measured | measured / model+headers |")
     print("|---|---|---:|---:|---:|---:|")
     checked: tuple[Strategy, ...] = ("plain ZeRO-3", "hybrid")
-    for (name, size), s in zip(bench_hybrid.VARIANTS.items(), checked, strict=True):
+    variants = list(bench_hybrid.VARIANTS.items())[: len(checked)]  # plain, then hybrid
+    for (name, setting), s in zip(variants, checked, strict=True):
         cs = plan(s, m, Group(world // per_node, per_node), b, b)
         group = cs[0].group
         headers = (3 * acc + 1) * HEADER_B * group.size
         got: list[float] | None = None
         if measure:  # bench_hybrid's own worker: the same training, the accounting's medians
-            ranks = run_ranks(bench_hybrid.__file__, ["--worker", str(size)], world=world)
+            args = ["--worker", *map(str, setting)]
+            ranks = run_ranks(bench_hybrid.__file__, args, world=world)
             got = [statistics.median(float(str(r[k])) for r in ranks) for k in ("intra", "inter")]
         for link, model in enumerate(messages(cs, acc)):
             extra = headers if (group.nodes > 1) == bool(link) else 0
