@@ -234,7 +234,7 @@ def test_hybrid_sharding_spreads_the_states_over_the_shard_group():
     halves = estimate_memory(model, num_gpus_per_node=8, num_nodes=4, shard_size=4)
     four = estimate_memory(model, num_gpus_per_node=4, num_nodes=1)
     assert halves[0].per_cpu_bytes == 2 * four[0].per_cpu_bytes
-    with pytest.raises(ValueError, match="shard_size=3.*must divide the 32 GPUs"):
+    with pytest.raises(ValueError, match=r"shard_size=3.*must divide the 32 GPUs"):
         estimate_memory(model, num_gpus_per_node=8, num_nodes=4, shard_size=3)
 
 
