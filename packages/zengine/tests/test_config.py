@@ -584,7 +584,6 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
             "zero_optimization": {
                 "stage": 3,
                 "zero_quantized_weights": True,
-                "zero_hpz_partition_size": 8,
                 "cpu_offload": True,  # and offload_optimizer too
                 "offload_optimizer": {"device": "cpu", "ratio": 0.3},
             },
@@ -599,8 +598,6 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
         'remove the key or set it to "enabled": false; use "fp16" or "bf16"',
         "bf16.bf16_optimizer_states: DeepSpeed's bf16 optimizer states, which zengine does not "
         "implement (got True); remove the key or set it to false",
-        "zero_optimization.zero_hpz_partition_size: DeepSpeed's ZeRO++ hpZ, which zengine "
-        "does not implement (got 8); remove the key or set it to 1",
         "zero_optimization.zero_quantized_weights: DeepSpeed's ZeRO++ quantized weights, "
         "which zengine does not implement (got True); remove the key or set it to false",
         "zero_optimization.offload_optimizer.ratio: DeepSpeed's partial optimizer offload, "
