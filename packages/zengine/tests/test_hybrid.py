@@ -130,7 +130,7 @@ class TestHybridSharding(DistributedTest):
     @pytest.mark.parametrize(
         ("shard_size", "problem"),
         [
-            (3, "3 does not divide the world of 4 ranks"),
+            (3, "shard size 3: must divide the world of 4 ranks"),
             (0, 'must be -1 \\(off\\), a number of ranks, or "node"'),
         ],
     )

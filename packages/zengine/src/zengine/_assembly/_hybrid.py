@@ -49,25 +49,14 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
         )
     if problems:
         raise ConfigError(problems)
-    world = dist.get_world_size()
-    layout = None
-    if wanted == "node" or zero.mics_hierarchical_params_gather:
-        layout = zcomm.node_layout()  # collective the first time: every rank asks alike
-    if wanted == "node":
-        assert layout is not None
-        size = layout.ranks_per_node
-    else:
-        size = world if wanted == -1 else int(wanted)
-    if world % size:
-        raise ConfigError(
-            [
-                f"{_KEY}: {size} does not divide the world of {world} ranks (shard groups must "
-                "be of equal size; their number is the replicas of each shard)"
-            ]
-        )
-    if layout is not None and zero.mics_hierarchical_params_gather:
-        _check_within_nodes(layout, size, world)
-    shard, replicate = zpartition.hybrid_groups(size)  # what zero.Init makes of the config
+    try:  # zero.Init makes the same groups of the same config
+        shard, replicate = zpartition.hybrid_groups(wanted)
+    except zpartition.ZeroParamError as error:
+        raise ConfigError([f"{_KEY}: {error}"]) from error
+    if zero.mics_hierarchical_params_gather:
+        world = dist.get_world_size()
+        size = world if shard is None else dist.get_world_size(shard)
+        _check_within_nodes(zcomm.node_layout(), size, world)
     return HybridGroups(group if shard is None else shard, replicate)
 
 
