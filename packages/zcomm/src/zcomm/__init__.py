@@ -2,6 +2,7 @@
 
 ``import zcomm as dist`` stands in for ``deepspeed.comm``; `get_accelerator` for DeepSpeed's;
 `zcomm.topology` for its pipeline topology; `zcomm.testing` holds the distributed test harness.
+`quantize` and `dequantize` pack a tensor into int8 or int4 blocks for quantized communication.
 """
 
 from zcomm.__about__ import __version__
@@ -37,6 +38,13 @@ from zcomm._nodes import (
     set_node_layout,
 )
 from zcomm._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from zcomm._quantize import (
+    QuantizationError,
+    Quantized,
+    dequantize,
+    quantize,
+    quantized_nbytes,
+)
 from zcomm._world import (
     destroy,
     get_local_rank,
@@ -54,6 +62,8 @@ __all__ = [
     "Handle",
     "NodeLayout",
     "P2POp",
+    "QuantizationError",
+    "Quantized",
     "ReduceOp",
     "TopologyError",
     "__version__",
@@ -65,6 +75,7 @@ __all__ = [
     "broadcast",
     "comm_bytes_by_link",
     "comm_summary",
+    "dequantize",
     "destroy",
     "enable_comm_accounting",
     "get_accelerator",
@@ -82,6 +93,8 @@ __all__ = [
     "log_summary",
     "new_group",
     "node_layout",
+    "quantize",
+    "quantized_nbytes",
     "recv",
     "reduce",
     "reduce_scatter_tensor",
