@@ -61,13 +61,15 @@ def train_partitioned(
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
     accumulation: int = 1,
     handle: Any = None,
+    hold_until_boundary: bool = False,
 ) -> list[float]:
     """Each rank trains on its slice of every global batch, with `optimizer` over its `shards`;
     returns the global mean losses (what `reference_losses` gives for the whole batches).
     `loss_of(item)`: this rank's loss for an item of `data` (default: the model on its slice).
     `accumulation`: the slice in that many micro-batches, one step after them; with the
     `handle` of a hybrid-sharded model, gradients are all-reduced across the replicas in the
-    last micro-batch's backward only (``set_requires_all_reduce``)."""
+    last micro-batch's backward only (``set_requires_all_reduce``); with `hold_until_boundary`,
+    the handle's earlier backward passes reduce nothing (``set_requires_gradient_sync``)."""
     import zcomm  # the reference trainer below runs without a world
 
     rank, world = zcomm.get_rank(), zcomm.get_world_size()
@@ -78,6 +80,8 @@ def train_partitioned(
         for i in range(accumulation):
             if handle is not None:
                 handle.set_requires_all_reduce(i == accumulation - 1)
+                if hold_until_boundary:
+                    handle.set_requires_gradient_sync(i == accumulation - 1)
             if loss_of is None:
                 loss = model(item.chunk(world)[rank].chunk(accumulation)[i]) / accumulation
             else:

@@ -57,6 +57,14 @@ class ZeroParamConfig:
     the unit, so that the backward gathers it within a group of S ranks inside a node instead
     of across the world ([Note: secondary partition]). S must divide a node's ranks and the
     number of ranks partitioned across (`ZeroParamError` at `partition` otherwise); 1: off."""
+    node_local_accumulation: bool = False
+    """Reduce-scatter each micro-batch's gradients within the node only and hold them (1/L
+    of the full gradient per rank, nodes of L ranks), then across the nodes once, in the
+    backward that ends the accumulation (``Partitioned.set_requires_all_reduce(True)``): the
+    gradients cross the nodes once per optimizer step ([Note: node-local accumulation]). For
+    ZeRO-3 across the world over several nodes; nothing changes on one node; hybrid
+    sharding's shard groups already keep the reduce-scatters in the node (`partition` refuses
+    both at once)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -13,7 +13,8 @@ them and its children none. Per module and pass:
 - at the end of backward (an autograd engine callback): queue what is left (parameters that got
   no gradient contribute zeros), reduce the queue, agree across ranks that the pass ended
   alike, release all; with replicas, all-reduce the held gradients across them when this
-  backward requires it ([Note: hybrid sharding], `_hybrid.py`).
+  backward requires it ([Note: hybrid sharding], `_hybrid.py`). A backward without gradient
+  sync holds the full gradients instead of queueing them ([Note: gradient sync], `_reduce.py`).
 With a secondary partition, a forward's gathers keep a secondary shard of each unit and the
 backward's fetches gather from it and drop it; the end of backward drops what is left
 ([Note: secondary partition], `_secondary.py`).
@@ -36,13 +37,14 @@ from zpartition._channel import Channel, Kind
 from zpartition._coordinator import Coordinator
 from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter, unregister_external_parameter
-from zpartition._hybrid import ReplicaGradients
 from zpartition._param import ZeroParameter, zero_params
+from zpartition._partial import PartialGradients
 from zpartition._reduce import (
     Deliver,
     GradBucket,
     GradientSink,
     accumulate,
+    hold,
     keep_local,
     reduction_dtype,
     to_sink,
@@ -124,8 +126,18 @@ class State:
         self.sink: GradientSink | None = None  # takes reduced gradients instead of .grad
         # with a replicate group: the gradients held until the replicas' all-reduce, and
         # whether this backward ends with it ([Note: hybrid sharding])
-        self.replicas: ReplicaGradients | None = None
+        self.replicas: PartialGradients | None = None
         self.requires_all_reduce = True
+        # node-local accumulation: the gradients held between the node's reduction and the
+        # one across nodes, and (this node's group, nodes, local rank) ([Note: node-local
+        # accumulation], `_partial.py`)
+        self.node_local: PartialGradients | None = None
+        self.node_split: tuple[dist.ProcessGroup, int, int] | None = None
+        # False: backward passes hold full gradients instead of reducing ([Note: gradient
+        # sync]); `unsynced` by id(param), `unsynced_units` the units they belong to
+        self.requires_gradient_sync = True
+        self.unsynced: dict[int, torch.Tensor] = {}
+        self.unsynced_units: dict[Unit, None] = {}
         # reduce-scatters in flight, to finish, with the key of the bucket each reads
         self.reducing: list[tuple[GradKey, Callable[[], None]]] = []
         self.kept_buckets = False  # persistent_grad_buckets (set at install)
@@ -155,6 +167,7 @@ class State:
         # rank's: that is where the pre-factor is applied and the results are held
         self.late_gradients = (
             self.replicas is None
+            and self.node_local is None
             and all(u.direct for u in self.units)
             and total <= self.coordinator.config.max_live_parameters
             and not self.kept_buckets
@@ -344,14 +357,22 @@ class State:
     def _gradients_done(self, unit: Unit) -> None:
         """`unit`'s backward is over: queue its gradients for reduction, release it."""
         unit.ready = 0
-        if unit.direct and not self.kept_buckets and self.replicas is None:
+        if unit.direct and not self.kept_buckets and self.replicas is None:  # one rank
             keep_local(unit, self.sink)
+        elif not self.requires_gradient_sync:
+            hold(unit, self.unsynced, self.coordinator.config.reduce_dtype)
+            self.unsynced_units[unit] = None
         else:
-            for group in unit.grad_groups:
-                self._bucket_for(group).add(unit, group)
+            self._queue(unit)
         if not unit.persistent:
             unit.users.clear()
             self.coordinator.release((unit,), -1)
+
+    def _queue(self, unit: Unit) -> None:
+        """Put `unit`'s gradients, with what was held for them, in their buckets."""
+        self.unsynced_units.pop(unit, None)
+        for group in unit.grad_groups:
+            self._bucket_for(group).add(unit, group, self.unsynced)
 
     def _bucket_for(self, group: _GradGroup) -> GradBucket:
         key = (group.dtype, group.comm)
@@ -364,9 +385,11 @@ class State:
             dtype = reduction_dtype(group, self.coordinator.config.reduce_dtype)
             rows = self._kept_rows(key, width, dtype)
             scale = self.coordinator.config.reduce_scale
-            if scale is not None and self.replicas is not None:
-                scale = (scale[0], 1.0)  # the post-factor after the replicas' sum
-            bucket = GradBucket(dtype, width, self.channel, self.root_device, rows, scale)
+            if scale is not None and (self.replicas or self.node_local) is not None:
+                scale = (scale[0], 1.0)  # the post-factor after the second stage's sum
+            bucket = GradBucket(
+                dtype, width, self.channel, self.root_device, rows, scale, self.node_split
+            )
             self.buckets[key] = bucket
         return bucket
 
@@ -405,6 +428,8 @@ class State:
     def _deliver(self) -> Deliver:
         """Where the shard group's reductions go: the sink, the replicas' held gradients, or
         the shards' ``.grad``."""
+        if self.node_local is not None:
+            return self.node_local.hold
         if self.sink is not None:
             return to_sink(self.sink)
         if self.replicas is not None:
@@ -433,13 +458,49 @@ class State:
                 keep_local(unit, self.sink)
             elif unit.ready:
                 self._gradients_done(unit)  # the missing gradients count as zeros
+        if self.requires_gradient_sync:
+            self._queue_unsynced()
         self._flush()
         self._finish_reductions()
         self.channel.agree(Kind.END_BACKWARD, [])
         self.coordinator.release_all()  # waits for gathers in flight, from secondaries too
         self.coordinator.drop_secondaries()  # of units whose backward fetched nothing
-        if self.replicas is not None and self.sink is None and self.requires_all_reduce:
-            self.replicas.all_reduce()
+        if self.requires_gradient_sync:
+            self._reduce_across()
+
+    def _queue_unsynced(self) -> None:
+        """Queue the unsynced gradients of units this backward computed nothing for, in model
+        order (the same on every rank)."""
+        for unit in [u for u in self.units if u in self.unsynced_units]:
+            self._queue(unit)
+
+    def _reduce_across(self) -> None:
+        """The reduction's second stage, when this backward ends the accumulation: across the
+        nodes (node-local accumulation; into the sink, if any) or the replicas (not with a
+        sink: its owner all-reduces)."""
+        if not self.requires_all_reduce:
+            return
+        if self.node_local is not None:
+            self.node_local.finish(to_sink(self.sink) if self.sink is not None else _adopt)
+        elif self.replicas is not None and self.sink is None:
+            self.replicas.finish(_adopt)
+
+    def sync_gradients(self) -> None:
+        """Reduce what backward passes without gradient sync held, now (outside a backward)."""
+        if not self.unsynced_units:
+            return
+        self._queue_unsynced()
+        self._flush()
+        self._finish_reductions()
+        self._reduce_across()
+
+    def drop_unsynced(self) -> None:
+        """Forget the gradients held by backward passes without gradient sync, and those held
+        for the reduction across nodes."""
+        self.unsynced.clear()
+        self.unsynced_units.clear()
+        if self.node_local is not None:
+            self.node_local.drop()
 
     # -- errors ----------------------------------------------------------------------------
 
@@ -465,6 +526,11 @@ class State:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _adopt(unit: Unit, group: _GradGroup, reduced: torch.Tensor) -> None:
+    """Add a reduction nobody else keeps to the shards' ``.grad`` (a `Deliver`)."""
+    accumulate(unit, group, reduced, adopt=True)
 
 
 def eager(hook: _F) -> _F:

@@ -13,8 +13,8 @@ only gradients cross the replicate group.
   (its rank 0's): every rank then holds global rank 0's values, whatever the seeds.
   ``GatheredParameters(modifier_rank=r)`` likewise keeps replica 0's modifier's values.
 - Gradients: each backward reduce-scatters within the shard group as before, but the results
-  are *held* (`ReplicaGradients`, one flat buffer per reduction dtype) instead of added to the
-  shards' ``.grad``. The backward that runs with ``requires_all_reduce`` (True unless
+  are *held* (`PartialGradients`, `_partial.py`, one buffer per reduction dtype) instead of
+  added to the shards' ``.grad``. The backward that runs with ``requires_all_reduce`` (True unless
   `Partitioned.set_requires_all_reduce` said otherwise, FSDP2's switch) all-reduces what is held
   across the replicate group once, at its end, and adds it to ``.grad``. So gradient
   accumulation crosses the replicate group only at its boundary, and ``.grad`` only ever holds
@@ -43,18 +43,14 @@ nothing beyond today's partitioning.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 
 import zcomm
 from zcomm.topology import ProcessTopology
 from zpartition._errors import ZeroParamError
-from zpartition._reduce import accumulate, reduction_dtype
-from zpartition._unit import Unit, _GradGroup
 
-__all__ = ["ReplicaGradients", "hybrid_groups", "replicas_for"]
+__all__ = ["hybrid_groups", "replicas_for"]
 
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -132,75 +128,3 @@ def replicas_for(
             f"(each replica holds the same chunks); they have {held}"
         )
     return replicate_group
-
-
-class ReplicaGradients:
-    """The shard gradients of one partitioned model's units, held from each backward's
-    reduce-scatter until they are all-reduced across the replicas (see [Note: hybrid
-    sharding]).
-
-    Each reduction dtype has one flat buffer, made zeroed when the first gradient is held and
-    given to the shards' ``.grad`` at the all-reduce: every trainable gradient group has a fixed
-    place in it, the same on every replica, and a presence flag after all the places.
-    """
-
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        units: Sequence[Unit],
-        reduce_dtype: torch.dtype | None,
-        scale: tuple[float, float] | None,
-        device: torch.device,
-    ) -> None:
-        self.group = group
-        self.after = None if scale is None else scale[1]  # None: the mean
-        self.device = device
-        # per dtype: (unit, group, offset) in model order; the flags follow the places
-        self._places: dict[torch.dtype, list[tuple[Unit, _GradGroup, int]]] = {}
-        self._widths: dict[torch.dtype, int] = {}
-        self._where: dict[int, tuple[torch.dtype, int, int]] = {}  # id(group) -> dtype, offset, i
-        for unit in units:
-            for g in unit.grad_groups:
-                dtype = reduction_dtype(g, reduce_dtype)
-                places = self._places.setdefault(dtype, [])
-                offset = self._widths.get(dtype, 0)
-                self._where[id(g)] = (dtype, offset, len(places))
-                places.append((unit, g, offset))
-                self._widths[dtype] = offset + g.width
-        self._held: dict[torch.dtype, torch.Tensor] = {}
-
-    def _buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        held = self._held.get(dtype)
-        if held is None:
-            size = self._widths[dtype] + len(self._places[dtype])
-            held = self._held[dtype] = torch.zeros(size, dtype=dtype, device=self.device)
-        return held
-
-    def hold(self, unit: Unit, group: _GradGroup, reduced: torch.Tensor) -> None:
-        """Add a group's shard-group reduction to what is held (a `Deliver`)."""
-        dtype, offset, index = self._where[id(group)]
-        held = self._buffer(dtype)
-        held[offset : offset + group.width].add_(reduced)
-        held[self._widths[dtype] + index] = 1
-
-    def all_reduce(self) -> None:
-        """All-reduce what is held across the replicas (every dtype's buffer, zeros where this
-        rank holds none, so the collectives match) and add it to the shards' ``.grad``."""
-        for dtype in sorted(self._places, key=str):
-            held = self._buffer(dtype)
-            self.reduce([held])
-            width = self._widths[dtype]
-            present = held[width:].tolist()  # one device sync per dtype, not one per group
-            for (unit, group, offset), flag in zip(self._places[dtype], present, strict=True):
-                if flag > 0:
-                    accumulate(unit, group, held[offset : offset + group.width], adopt=True)
-        self._held.clear()  # `adopt`: the shards' new gradients may be views of the buffers
-
-    def reduce(self, tensors: Sequence[torch.Tensor]) -> None:
-        """The replicas' stage of the reduction, in place: the mean, or the sum times the
-        post-factor."""
-        op = zcomm.ReduceOp.AVG if self.after is None else zcomm.ReduceOp.SUM
-        for t in tensors:
-            zcomm.all_reduce(t, op=op, group=self.group)
-            if self.after is not None and self.after != 1.0:
-                t.mul_(self.after)

@@ -20,7 +20,7 @@ from zpartition._external import ParamDict
 from zpartition._gather import bind_gather_methods, channel_for, new_unit
 from zpartition._gathered import GatheredParameters
 from zpartition._hooks import ModuleInfo, State, eager
-from zpartition._hybrid import ReplicaGradients, replicas_for
+from zpartition._hybrid import replicas_for
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
 from zpartition._param import (
     ZeroParameter,
@@ -29,6 +29,7 @@ from zpartition._param import (
     partitioned,
     zero_params,
 )
+from zpartition._partial import PartialGradients, node_split
 from zpartition._reduce import GradientSink
 from zpartition._secondary import secondary_channel
 from zpartition._status import ZeroParamStatus
@@ -168,12 +169,41 @@ class Partitioned:
         backward with True all-reduces everything held, once, at its end, and adds it to the
         shards' ``.grad``: set it False for all but the last micro-batch of an accumulation,
         as DeepSpeed's MiCS all-reduces at the accumulation boundary only. No effect without
-        replicas, or with a gradient sink (its owner all-reduces: `all_reduce_replicas`)."""
+        replicas, or with a gradient sink (its owner all-reduces: `all_reduce_replicas`).
+        With ``ZeroParamConfig.node_local_accumulation`` it says likewise which backward
+        reduce-scatters the node's held gradients across the nodes, sink or not ([Note:
+        node-local accumulation])."""
         if not isinstance(requires_all_reduce, bool):
             raise TypeError(
                 f"set_requires_all_reduce: expected a bool, got {requires_all_reduce!r}"
             )
         self._state.requires_all_reduce = requires_all_reduce
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Whether the next backward passes reduce the gradients across ranks (FSDP2's switch;
+        True at first). While False, each backward keeps its full gradients, summed in the
+        reduction dtype, and reduces nothing; the first backward with True (or
+        `sync_gradients`) reduces them with its own, once: an accumulation's gradients then
+        cross the ranks, and the nodes, at its end only, for a full gradient's memory per rank.
+        Set it False for all but the last micro-batch. With one rank it changes nothing. See
+        [Note: gradient sync]."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                f"set_requires_gradient_sync: expected a bool, got {requires_gradient_sync!r}"
+            )
+        self._state.requires_gradient_sync = requires_gradient_sync
+
+    def sync_gradients(self) -> None:
+        """Reduce the gradients that backward passes without gradient sync held, now, as the
+        next backward with sync would: into the shards' ``.grad`` or the gradient sink (with
+        replicas and no sink, all-reduced across them too). Every rank calls it; nothing
+        happens where nothing is held."""
+        self._state.sync_gradients()
+
+    def drop_unsynced_gradients(self) -> None:
+        """Forget the gradients held by backward passes without gradient sync (a ``zero_grad``
+        inside an accumulation)."""
+        self._state.drop_unsynced()
 
     def all_reduce_replicas(self, tensors: Sequence[torch.Tensor]) -> None:
         """The replicas' stage of the gradient reduction on `tensors`, in place: for the owner
@@ -184,7 +214,7 @@ class Partitioned:
         calls it with tensors of the same sizes."""
         replicas = self._state.replicas
         if replicas is not None:
-            replicas.reduce(tensors)
+            replicas.all_reduce(tensors)
 
     @property
     def coordinator(self) -> Coordinator:
@@ -370,6 +400,7 @@ def partition(
     _check_replicas_of_init(module, replicate)
     # before anything is cut: a size that does not fit leaves the model as it was
     hpz = secondary_channel(channel_for(group), config.secondary_partition_size)
+    split = node_split(group, replicate) if config.node_local_accumulation else None
     convert_module(
         module,
         group=group,
@@ -396,11 +427,13 @@ def partition(
     state.units = [u for u in units if u.trainable]
     if persistent is not None and persistent.trainable:
         state.units.append(persistent)
+    device = state.units[0].device if state.units else torch.device("cpu")
+    held = (state.units, config.reduce_dtype, config.reduce_scale, device)
     if replicate is not None:
-        device = state.units[0].device if state.units else torch.device("cpu")
-        state.replicas = ReplicaGradients(
-            replicate, state.units, config.reduce_dtype, config.reduce_scale, device
-        )
+        state.replicas = PartialGradients(replicate, *held)
+    if split is not None:
+        across, state.node_split = split
+        state.node_local = PartialGradients(across, *held, rows=split[1][1])
     reader = eager(state.read)  # a read through another module's attribute gathers
     for info in infos.values():
         m = info.module

@@ -6,7 +6,18 @@ reduce-scattered in one collective, as is what is left at the end of backward: s
 would otherwise pay a collective's latency each. The rows of a bucket are rank-major, unit after
 unit, as in [Note: unit layout]. With one rank nothing moves: the full gradient, flattened,
 becomes the shard's gradient. With replicas, what a bucket's reduce-scatter leaves is held for
-their all-reduce instead ([Note: hybrid sharding], `_hybrid.py`). zengine buckets the gradients
+their all-reduce instead ([Note: hybrid sharding], `_hybrid.py`).
+
+[Note: gradient sync]
+A backward run without gradient sync (`Partitioned.set_requires_gradient_sync(False)`, FSDP2's
+switch; zengine's ``no_sync()`` and ``coalesce_grad_reduction()``) reduces nothing: `hold` keeps
+each unit's full gradients, summed over such passes in the reduction dtype, keyed by parameter.
+The next backward with sync adds them to its own as its buckets are filled (`_fill`), and reduces
+the held gradients of units it computed nothing for at its end, in model order, so the ranks'
+buckets pair up; `Partitioned.sync_gradients` does the same outside a backward. An accumulation
+then moves its gradients across the ranks once, at its end, for a full gradient's memory per
+rank: nothing crosses a node in between, however the world is sharded. With one rank nothing is
+reduced anyway, and the switch changes nothing. zengine buckets the gradients
 of stages 0-2 on its own (`zengine/_optim/_grad_buckets.py`): why the two differ is in
 ARCHITECTURE.md, "Two gradient buckets, on purpose".
 """
@@ -16,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 import zcomm
 from zpartition._channel import Channel, Kind
@@ -27,6 +39,7 @@ __all__ = [
     "GradBucket",
     "GradientSink",
     "accumulate",
+    "hold",
     "keep_local",
     "reduction_dtype",
     "to_sink",
@@ -95,9 +108,13 @@ class GradBucket:
         device: torch.device,
         rows: torch.Tensor | None = None,
         scale: tuple[float, float] | None = None,
+        node_split: tuple[dist.ProcessGroup, int, int] | None = None,
     ) -> None:
         self.channel = channel
         self.scale = scale  # (before, after) a sum (ZeroParamConfig.reduce_scale); None: average
+        # node-local accumulation: (this node's group, nodes, local rank), reduced within the
+        # node only ([Note: node-local accumulation], `_partial.py`)
+        self.node_split = node_split
         # `rows`: a buffer kept across passes (persistent_grad_buckets), else a new one
         self.rows = (
             torch.empty(channel.size, capacity, dtype=dtype, device=device)
@@ -110,9 +127,10 @@ class GradBucket:
     def fits(self, group: _GradGroup) -> bool:
         return self.used + group.width <= self.rows.shape[1]
 
-    def add(self, unit: Unit, group: _GradGroup) -> None:
-        """Copy `unit`'s gradients of this dtype in (padding and missing ones as zeros)."""
-        _fill(unit, group, self.rows[:, self.used : self.used + group.width])
+    def add(self, unit: Unit, group: _GradGroup, held: dict[int, torch.Tensor]) -> None:
+        """Copy `unit`'s gradients of this dtype in, with those `held` for them (see `hold`),
+        and padding and missing ones as zeros."""
+        _fill(unit, group, self.rows[:, self.used : self.used + group.width], held)
         self.entries.append((unit, group, self.used))
         self.used += group.width
 
@@ -122,21 +140,26 @@ class GradBucket:
         until it is called)."""
         self.channel.agree(Kind.REDUCE, [u.uid for u, _, _ in self.entries])
         rows = self.rows if self.used == self.rows.shape[1] else self.rows[:, : self.used]
-        flat = rows.contiguous().view(-1)  # a copy only for a bucket left part-full
-        # the bucket is not read again: reduced in place, this rank's chunk is the result
-        mine = flat[self.channel.rank * self.used :][: self.used]
+        group, used = self.channel.group, self.used
+        if self.node_split is None:
+            flat = rows.contiguous().view(-1)  # a copy only for a bucket left part-full
+            # the bucket is not read again: reduced in place, this rank's chunk is the result
+            mine = flat[self.channel.rank * used :][:used]
+            result = mine
+        else:
+            # rows node-minor: this node's reduce-scatter gives local rank l the rows of the
+            # world ranks n * L + l, one per node n
+            group, nodes, local = self.node_split
+            flat = rows.reshape(nodes, -1, used).transpose(0, 1).contiguous().view(-1)
+            mine = flat[local * nodes * used :][: nodes * used]
+            result = mine.view(nodes, used)
         scale, op = self.scale, zcomm.ReduceOp.AVG
         if scale is not None:
             op = zcomm.ReduceOp.SUM
             if scale[0] != 1.0:
                 flat.mul_(scale[0])  # in the bucket's dtype, the reduction's
         handle = zcomm.reduce_scatter_tensor(
-            mine,
-            flat,
-            op=op,
-            group=self.channel.group,
-            async_op=overlap,
-            scratch_input=True,
+            mine, flat, op=op, group=group, async_op=overlap, scratch_input=True
         )
         entries = self.entries
         self.entries, self.rows = [], self.rows[:, :0]
@@ -145,8 +168,8 @@ class GradBucket:
             handle.wait()
             if scale is not None and scale[1] != 1.0:
                 mine.mul_(scale[1])
-            for unit, group, start in entries:
-                deliver(unit, group, mine[start : start + group.width])
+            for unit, grads, start in entries:
+                deliver(unit, grads, result[..., start : start + grads.width])
 
         if not overlap:
             finish()
@@ -158,11 +181,32 @@ def _nothing() -> None:
     return None
 
 
-def _fill(unit: Unit, group: _GradGroup, rows: torch.Tensor) -> None:
-    """Write each full gradient, padded, into its column block of `rows` (rank-major)."""
+def hold(unit: Unit, held: dict[int, torch.Tensor], reduce_dtype: torch.dtype | None) -> None:
+    """A backward without gradient sync: add `unit`'s full gradients into `held` (by ``id`` of
+    the parameter, in the reduction dtype) instead of reducing them ([Note: gradient sync])."""
+    for group in unit.grad_groups:
+        dtype = reduction_dtype(group, reduce_dtype)
+        for i in group.indices:
+            p = unit.params[i]
+            grad = p.grad
+            if grad is None:
+                continue
+            p.grad = None
+            mine = held.get(id(p))
+            if mine is None:
+                held[id(p)] = grad.to(dtype)  # autograd's tensor, let go: kept without a copy
+            else:
+                mine.add_(grad)
+
+
+def _fill(unit: Unit, group: _GradGroup, rows: torch.Tensor, held: dict[int, torch.Tensor]) -> None:
+    """Write each full gradient, with what is `held` for it, padded, into its column block of
+    `rows` (rank-major)."""
     for i, (off, chunk) in zip(group.indices, group.columns, strict=True):
         p = unit.params[i]
-        grad = p.grad
+        grad, earlier = p.grad, held.pop(id(p), None)
+        if earlier is not None:
+            grad = earlier if grad is None else earlier.add_(grad)
         block = rows[:, off : off + chunk]
         if grad is None:
             block.zero_()  # an unused parameter contributes zeros, on every rank alike
