@@ -248,3 +248,17 @@ def test_hpz_adds_its_secondary_shards_to_each_gpu():
         assert h.per_gpu_bytes == p.per_gpu_bytes + h.secondary_bytes
         assert h.per_cpu_bytes == p.per_cpu_bytes
     assert all(r.secondary_bytes == 0 for r in plain)
+
+
+def test_node_local_accumulation_adds_a_shard_per_node_of_every_gradient():
+    model = nn.Linear(1000, 1000)
+    total = sum(p.numel() for p in model.parameters())
+    plain = estimate_memory(model, num_gpus_per_node=8, num_nodes=4)
+    held = estimate_memory(model, num_gpus_per_node=8, num_nodes=4, node_local_accumulation=True)
+    for p, h in zip(plain, held, strict=True):
+        assert h.accumulation_bytes == int(2 * total / 8)  # 4 shards of 1/32: 1/8
+        assert h.per_gpu_bytes == p.per_gpu_bytes + h.accumulation_bytes
+    one_node = estimate_memory(model, num_gpus_per_node=8, node_local_accumulation=True)
+    assert all(r.accumulation_bytes == 0 for r in one_node)  # nothing crosses a node
+    with pytest.raises(ValueError, match="node_local_accumulation=True, shard_size"):
+        estimate_memory(model, 8, 2, shard_size=8, node_local_accumulation=True)

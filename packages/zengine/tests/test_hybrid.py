@@ -146,6 +146,37 @@ class TestHybridSharding(DistributedTest):
         assert engine.optimizer.partitions.grad_partitions_flat_buffer.numel() > 0
 
 
+class TestNodeLocalAccumulation(DistributedTest):
+    world_size = 4
+
+    def test_losses_are_plain_pytorchs_and_gradients_cross_nodes_once_per_step(self) -> None:
+        zcomm.set_node_layout(2)  # 2 nodes x 2, plain ZeRO-3 across all 4 ranks
+        accumulation, steps = 4, 3
+        engine, _, reference = _engine(_config(-1, accumulation, node_local_accumulation=True))
+        data = global_batches(steps, 2 * accumulation * 4)
+        zcomm.enable_comm_accounting()
+        zcomm.reset_comm_accounting()
+        try:
+            losses = train_engine(engine, data)
+            scattered = zcomm.comm_summary()["reduce_scatter_tensor"]
+        finally:
+            zcomm.enable_comm_accounting(False)
+        expected = plain_losses(reference, data, lr=LR, clip=0.5)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+        # per step, one reduce-scatter across the nodes of 2 (nodes) x every trainable shard
+        # gradient and a presence flag per gradient group, fp32; every micro-batch's stays in
+        # the node
+        assert engine.partitioned is not None
+        shards = sum(p.ds_tensor.numel() for p in engine.parameters() if p.requires_grad)
+        flags = sum(len(u.grad_groups) for u in engine.partitioned.units)
+        assert scattered.inter_node_bytes == steps * 4 * 2 * (shards + flags)
+        assert scattered.intra_node_bytes == steps * accumulation * 4 * 4 * shards
+        with pytest.raises(
+            ValueError, match=r"node_local_accumulation: not with .*mics_shard_size"
+        ):
+            _engine(_config("node", node_local_accumulation=True))
+
+
 class TestHybridStages(DistributedTest):
     world_size = 2
 
@@ -155,6 +186,12 @@ class TestHybridStages(DistributedTest):
         with pytest.raises(
             ValueError, match="zero_hpz_partition_size: ZeRO\\+\\+'s hpZ is stage 3"
         ):
+            zengine.initialize(model=TinyGPT(), config=cfg)
+
+    def test_node_local_accumulation_is_stage_3s(self) -> None:
+        cfg = engine_config(2)
+        cfg["zero_optimization"]["node_local_accumulation"] = True
+        with pytest.raises(ValueError, match="node_local_accumulation: it is ZeRO stage 3's"):
             zengine.initialize(model=TinyGPT(), config=cfg)
 
     def test_hybrid_sharding_is_stage_3s(self) -> None:

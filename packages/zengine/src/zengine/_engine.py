@@ -74,7 +74,9 @@ class Engine(nn.Module):
         # refuses sparse_gradients, so every gradient is reduced dense.
         self.sparse_tensor_module_names: set[str] = set()
         self._step_applied = False  # whether the last step() updated the parameters
-        self._no_sync = False  # inside no_sync(): backward passes reduce nothing
+        # inside no_sync() or coalesce_grad_reduction() (its name): backward passes reduce
+        # nothing ([Note: holding gradients])
+        self._holding: str | None = None
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word
         # DeepSpeed's: False leaves the reduction at an accumulation boundary (stages 0, 1) to
         # allreduce_gradients(); whether this accumulation's gradients are reduced yet
@@ -309,12 +311,14 @@ class Engine(nn.Module):
             )
         zero = self._trainer("backward()")
         self._offloaded.require(self, "backward()", OffloadStateTypeEnum)
-        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        holding = self._holding is not None
+        boundary = self.is_gradient_accumulation_boundary() and not holding
         # stages 2 and 3 reduce in every backward whatever enable_backward_allreduce says
         reduce = boundary and (self.enable_backward_allreduce or self.zero_optimization_stage() > 1)
         with self.progress.timed("backward"):
             if boundary:
                 zero.prefetch_states()  # NVMe offload: read while backward runs
+            zero.layout.hold_gradients(holding)
             zero.before_backward(reduce)
             share = loss.float()
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -347,34 +351,65 @@ class Engine(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside reduce nothing across ranks: the gradients accumulate on each
-        rank, and the next accumulation boundary's backward outside reduces all of it. As
-        DeepSpeed's: stages 0 and 1 only, not nested, and no ``step()`` inside."""
+        rank, and the next accumulation boundary's backward outside reduces all of it, as DDP's
+        and DeepSpeed's (not nested, no ``step()`` inside). At stages 2 and 3, which DeepSpeed
+        refuses, each rank holds its full gradients until then: a full gradient's memory for no
+        communication, within a node or across, until the boundary ([Note: holding
+        gradients])."""
+        self._hold("no_sync")
+        try:
+            yield
+        finally:
+            self._holding = None
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed's: one with-block, one optimizer step. Backward passes inside reduce
+        nothing, whatever boundary they are told; leaving the block reduces what they summed,
+        once, as a boundary's backward would, and ``step()`` follows it (not inside). Stages
+        1-3; each rank holds its full gradients until the end ([Note: holding gradients]). An
+        exception inside leaves without reducing (a rank alone in a collective would hang)."""
         stage = self.zero_optimization_stage()
-        if stage >= 2:
-            raise UsageError(
-                "engine.no_sync(): no_sync context manager is incompatible with gradient "
-                f"partitioning: ZeRO stage {stage} partitions gradients while backward runs, so "
-                "they cannot be held back; no_sync works at stages 0 and 1"
+        if stage == 0:
+            raise NotImplementedError(
+                "engine.coalesce_grad_reduction(): coalesce_grad_reduction requires ZeRO stage "
+                "1/2/3, got stage 0 (no_sync() holds the reduction at stage 0)"
             )
-        if self._no_sync:
+        zero = self._trainer("coalesce_grad_reduction()")
+        self._hold("coalesce_grad_reduction")
+        try:
+            yield
+        except BaseException:
+            self._holding = None
+            zero.layout.hold_gradients(False)
+            raise
+        self._holding = None
+        with self.progress.timed("backward"):
+            zero.layout.reduce_held()
+        self._reduction = "done"
+
+    def _hold(self, name: str) -> None:
+        """Enter the context `name` whose backward passes reduce nothing (one at a time)."""
+        if self._holding == name == "no_sync":
             raise UsageError(
                 "engine.no_sync(): no_sync context manager reentry is unsupported (already "
                 "inside no_sync(); it does not nest)"
             )
-        self._no_sync = True
-        try:
-            yield
-        finally:
-            self._no_sync = False
+        if self._holding is not None:
+            raise UsageError(
+                f"engine.{name}(): {name} cannot be nested inside another no_sync context "
+                f"(already inside {self._holding}())"
+            )
+        self._holding = name
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Step the optimizer at the accumulation boundary; otherwise only count. `lr_kwargs`
         go to the LR scheduler's ``step`` (DeepSpeed's)."""
-        if self._no_sync:
+        if self._holding is not None:
             raise UsageError(
-                "engine.step() inside engine.no_sync(): It is illegal to call Engine.step() "
-                "inside no_sync context manager; the gradients are not reduced yet: step after "
-                "leaving it"
+                f"engine.step() inside engine.{self._holding}(): It is illegal to call "
+                "Engine.step() inside no_sync context manager; the gradients are not reduced "
+                "yet: step after leaving it"
             )
         zero = self._trainer("step()")
         self._offloaded.require(self, "step()", OffloadStateTypeEnum)

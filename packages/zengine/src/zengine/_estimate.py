@@ -55,6 +55,10 @@ class MemoryEstimate:
     secondary_bytes: int = 0
     """Of `per_gpu_bytes`, hpZ's secondary shards (``zero_hpz_partition_size``): 1/n of every
     released module's 16-bit parameters, all of them held at the end of a forward."""
+    accumulation_bytes: int = 0
+    """Of `per_gpu_bytes`, node-local accumulation's held gradients
+    (``node_local_accumulation``): one shard per node of every 16-bit gradient, 1/n of the
+    full gradient with n GPUs per node, between an accumulation's micro-batches."""
 
     def options(self) -> str:
         """The options column of DeepSpeed's table."""
@@ -229,6 +233,7 @@ def estimate_memory(
     *,
     shard_size: int | None = None,
     hpz_partition_size: int = 1,
+    node_local_accumulation: bool = False,
 ) -> list[MemoryEstimate]:
     """The rows of DeepSpeed's ZeRO-3 estimate table for `model`, in the table's order.
 
@@ -237,7 +242,9 @@ def estimate_memory(
     layer is the module owning the most parameters directly (not through its children).
     zstack's keywords: `shard_size`, hybrid sharding's (``mics_shard_size``: the states spread
     over that many GPUs, each node holding its GPUs' shard groups); `hpz_partition_size`,
-    hpZ's secondary shards added to each GPU (`MemoryEstimate.secondary_bytes`).
+    hpZ's secondary shards added to each GPU (`MemoryEstimate.secondary_bytes`);
+    `node_local_accumulation`, its held gradients added to each GPU when there are several
+    nodes (`MemoryEstimate.accumulation_bytes`; not with `shard_size`, as the config refuses).
     """
     total, largest = _model_params(model)
     gpus, nodes, hosts = num_gpus_per_node, num_nodes, 1.0
@@ -253,13 +260,21 @@ def estimate_memory(
         hosts = max(1.0, num_gpus_per_node / shard_size)
     _check_count("estimate_memory", "hpz_partition_size", hpz_partition_size, 1)
     secondary = 0 if hpz_partition_size == 1 else int(2 * total / hpz_partition_size)
+    if node_local_accumulation and shard_size is not None:
+        raise ValueError(
+            "estimate_memory(node_local_accumulation=True, shard_size=...): hybrid sharding "
+            "keeps the reductions within its shard groups already; one or the other"
+        )
+    held = node_local_accumulation and num_nodes > 1
+    accumulation = int(2 * total / num_gpus_per_node) if held else 0
     rows = _estimates("estimate_memory", total, largest, gpus, nodes, additional_buffer_factor)
     return [
         replace(
             row,
             per_cpu_bytes=int(row.per_cpu_bytes * hosts),
-            per_gpu_bytes=row.per_gpu_bytes + secondary,
+            per_gpu_bytes=row.per_gpu_bytes + secondary + accumulation,
             secondary_bytes=secondary,
+            accumulation_bytes=accumulation,
         )
         for row in rows
     ]

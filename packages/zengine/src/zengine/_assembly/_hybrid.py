@@ -34,6 +34,7 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
     the world). Collective on first use (every rank builds every group, cached by zcomm)."""
     zero = cfg.zero_optimization
     _check_secondary(cfg)
+    _check_node_local(cfg, group)
     wanted = zero.mics_shard_size
     if wanted == -1 and not zero.mics_hierarchical_params_gather:
         return HybridGroups(group, None)
@@ -58,6 +59,26 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
         size = world if shard is None else dist.get_world_size(shard)
         _check_within_nodes(zcomm.node_layout(), size, world)
     return HybridGroups(group if shard is None else shard, replicate)
+
+
+def _check_node_local(cfg: EngineConfig, group: dist.ProcessGroup | None) -> None:
+    """``node_local_accumulation``: stage 3's, over the whole world, without hybrid sharding."""
+    zero = cfg.zero_optimization
+    if not zero.node_local_accumulation:
+        return
+    key = "zero_optimization.node_local_accumulation"
+    problems = []
+    if cfg.zero_stage != 3:
+        problems.append(f"{key}: it is ZeRO stage 3's; this config runs stage {cfg.zero_stage}")
+    if zero.mics_shard_size != -1:
+        problems.append(
+            f"{key}: not with {_KEY} {zero.mics_shard_size!r}: hybrid sharding's shard groups "
+            "keep the reductions within them already, and cross the replicas once per step"
+        )
+    if group is not None and group is not dist.group.WORLD:
+        problems.append(f"{key}: the nodes are the world's; not with an mpu's data-parallel group")
+    if problems:
+        raise ConfigError(problems)
 
 
 def _check_secondary(cfg: EngineConfig) -> None:

@@ -145,6 +145,7 @@ def stage3_layout(
     )
     shards_to_nvme(handle, layout, cfg)
     handle.set_gradient_sink(layout.sink)
+    layout.model = handle
     if handle.replicate_group is not None:
         layout.all_reduce_replicas = handle.all_reduce_replicas
     layout.take_written = handle.take_written  # masters re-read from shards written directly

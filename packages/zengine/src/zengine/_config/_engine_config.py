@@ -209,6 +209,7 @@ class EngineConfig(_Sections):
             module_granularity_threshold=zero.stage3_module_granularity_threshold,
             reduce_dtype=self.communication_dtype,
             secondary_partition_size=zero.zero_hpz_partition_size,
+            node_local_accumulation=zero.node_local_accumulation,
         )
 
 

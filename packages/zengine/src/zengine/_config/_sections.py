@@ -447,6 +447,13 @@ class ZeroConfig(Section):
     forward all-gather each rank keeps 1/n of it, so the backward gathers it within n ranks of
     one node instead of across every rank; it must divide a node's ranks. Costs 1/n of each
     released module's parameters from its forward to its backward. 1: off."""
+    node_local_accumulation: Flag = False
+    """Stage 3 across several nodes (zstack's key): each micro-batch's gradients are
+    reduce-scattered within the node only and held, 1/L of the full gradient per rank (nodes
+    of L ranks), then across the nodes once, in the backward that ends the accumulation: the
+    gradients cross the nodes once per optimizer step, as with ``mics_shard_size``, while
+    parameters and optimizer state stay sharded across every rank. Not with
+    ``mics_shard_size``, whose shard groups keep the reductions in the node already."""
     mics_hierarchical_params_gather: Flag = False
     """DeepSpeed's two-level gather for a shard group that spans nodes: not built; true is
     accepted where every shard group lies within a node (there it changes nothing)."""

@@ -29,7 +29,7 @@ buckets are zpartition's (`zpartition/_reduce.py`); why they are not these: ARCH
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -155,6 +155,13 @@ class GradBuckets:
             return
         while self._next < len(self._order) and self._order[self._next].waiting <= 0:
             self._start(self._order[self._next])
+
+    def take_left(self, params: Iterable[nn.Parameter]) -> None:
+        """Stage 2: take the gradients left in ``.grad`` by backward passes whose hooks stood
+        aside ([Note: holding gradients]) into their buckets, as if they arrived now."""
+        for p in params:
+            if p.grad is not None and id(p) in self._bucket_of:
+                self._arrived(p)
 
     @staticmethod
     def _fold(bucket: _Bucket) -> None:

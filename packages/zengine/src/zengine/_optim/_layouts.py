@@ -141,6 +141,10 @@ class FlatLayout:
         # id(param) -> (group, offset in the group's flat buffers)
         self._offset_of = {id(p): (g, off) for g, pairs in enumerate(offsets) for p, off in pairs}
         self._accumulated = False  # the gradient buffers hold sums no reduction has taken yet
+        # stage 2 inside no_sync or coalesce_grad_reduction: backward passes leave the full
+        # gradients in .grad, and whether some are left there ([Note: holding gradients])
+        self._holding = False
+        self._held = False
 
     def _pack(
         self, params: list[nn.Parameter], device: torch.device
@@ -191,7 +195,9 @@ class FlatLayout:
         """Stages 0 and 1: point every ``.grad`` at the flat gradient buffer again
         (``zero_grad`` may have set them to None), so autograd accumulates there, and reduce
         in this backward if it ends the accumulation. Stage 2 reduces in every backward."""
-        self.buckets.armed = self.stage == 2 or (boundary and self.during_backward)
+        self.buckets.armed = (self.stage == 2 and not self._holding) or (
+            boundary and self.during_backward
+        )
         if self.stage == 2:
             return  # autograd makes each gradient; the buckets take them
         for params, views in zip(self.params, self.grad_views, strict=True):
@@ -201,7 +207,12 @@ class FlatLayout:
 
     def after_backward(self, boundary: bool) -> None:
         """The buckets not reduced yet, and every bucket's part into the partitions."""
-        self._accumulated = self.stage < 2 and not boundary
+        self._accumulated = (self.stage < 2 or self._holding) and not boundary
+        if self.stage == 2 and self._holding:
+            return  # the full gradients stay in .grad ([Note: holding gradients])
+        if self.stage == 2 and self._held:
+            self.buckets.take_left(p for params in self.params for p in params)
+            self._held = False
         if self.low_grad_flats and not boundary:
             self.buckets.fold()
             self._drop_grads()  # they read zeros now, as at the boundary
@@ -214,11 +225,33 @@ class FlatLayout:
                 # as DeepSpeed's ZeRO optimizers leave it
                 self._drop_grads()
 
+    def hold_gradients(self, hold: bool) -> None:
+        """[Note: holding gradients] Inside ``no_sync`` and ``coalesce_grad_reduction`` the
+        backward passes reduce nothing: at stages 0 and 1 the gradients sum in the flat buffer
+        as in any accumulation (the engine calls them no boundary); at stage 2 the bucket hooks
+        stand aside and autograd sums the full gradients in ``.grad``, which the next reducing
+        backward's hooks, or `reduce_held`, take into the buckets with their own: a full
+        gradient's memory, for no communication until the end. Stage 3's is zpartition's
+        [Note: gradient sync]."""
+        self._holding = hold
+        self._held = self._held or (hold and self.stage == 2)
+
+    def reduce_held(self) -> None:
+        """Reduce what backward passes summed without reducing, now, as a reducing backward
+        would have (``coalesce_grad_reduction``'s end)."""
+        self._holding = False
+        if self.stage == 2:
+            self.buckets.armed = True
+        self.after_backward(True)
+
     def discard_accumulated(self) -> None:
         """Drop the gradients backward passes before the boundary summed (``zero_grad``
         between micro-batches, as DeepSpeed's drops them); nothing when there are none."""
         if not self._accumulated:
             return  # after a step the reduction zeroed the buffers already
+        if self.stage == 2:
+            self._drop_grads()  # what backward passes held in .grad ([Note: holding gradients])
+            self._held = False
         for flat in [*self.grad_flats, *self.low_grad_flats]:
             flat.zero_()
         self._accumulated = False
@@ -348,6 +381,8 @@ class ShardedLayout:
         # hybrid sharding: averages the gradient partition across the replicas (zpartition's
         # `Partitioned.all_reduce_replicas`), once per accumulation, at its last backward
         self.all_reduce_replicas: Callable[[Sequence[torch.Tensor]], None] | None = None
+        # the partitioned model, whose backward passes hold or reduce the gradients
+        self.model: zpartition.Partitioned | None = None
         self.read_back()
 
     def _cut(self, numel: int, every: list[ZeroParameter]) -> list[list[nn.Parameter]]:
@@ -398,6 +433,10 @@ class ShardedLayout:
                 _add_into(mine, grad)
 
     def before_backward(self, boundary: bool) -> None:
+        if self.model is not None:
+            # node-local accumulation reduces across the nodes in the boundary's backward
+            # (with replicas and this sink, zpartition leaves that to `after_backward`)
+            self.model.set_requires_all_reduce(boundary)
         if boundary and self.shard_store is not None and len(self._tiles) == 1:
             # offload_param to NVMe: the step needs every shard right after this backward, so
             # the shards its modules release stay in memory instead of a write-free trip to
@@ -410,8 +449,25 @@ class ShardedLayout:
         if boundary and self.all_reduce_replicas is not None:
             self.all_reduce_replicas([self.partitions.grad_partitions_flat_buffer])
 
+    def hold_gradients(self, hold: bool) -> None:
+        """Backward passes that hold their full gradients instead of reducing them, or not
+        (zpartition's [Note: gradient sync])."""
+        if self.model is not None:
+            self.model.set_requires_gradient_sync(not hold)
+
+    def reduce_held(self) -> None:
+        """Reduce what backward passes held, now: into the partitions, and with replicas
+        across them, as the boundary's backward would."""
+        if self.model is not None:
+            self.model.set_requires_gradient_sync(True)
+            self.model.set_requires_all_reduce(True)
+            self.model.sync_gradients()
+        self.after_backward(True)
+
     def discard_accumulated(self) -> None:
-        pass  # every backward reduced into the partitions, which zero_grad zeroes
+        # every backward reduced into the partitions, which zero_grad zeroes, or held
+        if self.model is not None:
+            self.model.drop_unsynced_gradients()
 
     def remove(self) -> None:
         """Nothing to take off: the gradient hooks are zpartition's, removed with the model's."""

@@ -364,5 +364,11 @@ class PipelineEngine(Engine):
     def no_sync(self) -> Any:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
 
+    def coalesce_grad_reduction(self) -> Any:
+        raise PipelineError(
+            "coalesce_grad_reduction is not supported under pipeline parallelism: a pipeline "
+            "engine runs whole batches: call engine.train_batch()"
+        )
+
     def allreduce_gradients(self, bucket_size: int | None = None) -> None:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
