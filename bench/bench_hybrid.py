@@ -6,11 +6,20 @@ Run by ``nox -s bench -- hybrid`` (or ``python bench/bench_hybrid.py``); prints 
 zcomm's accounting by link class (a collective whose group spans nodes counts as crossing
 them; [Note: ...] in zcomm/_accounting.py), so the figures are exact whatever the machine.
 Each variant trains STEPS optimizer steps from the same weights on the same data; the losses
-are compared with plain ZeRO-3's.
+are compared with plain ZeRO-3's. Every variant releases a unit after its forward
+(``stage3_max_reuse_distance`` 0, FSDP2's ``reshard_after_forward=True``, and a prefetch
+bucket and live-parameter limit of about one block, where DeepSpeed's defaults would hold the
+whole demo), as a model that does not fit must: the backward gathers again, which is what hpZ
+keeps inside the node. "held until
+the boundary" runs the first micro-batches of each step inside ``engine.no_sync()``: their
+gradients stay whole on each rank and cross the ranks once, in the last backward.
+"node-local accumulation" (``node_local_accumulation``) reduce-scatters each micro-batch's
+gradients within the node and across the nodes once per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import statistics
 import sys
@@ -23,11 +32,17 @@ from _common import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, ACCUMULATION, WORLD, PER_NODE = 4, 4, 4, 2
-# name: (mics_shard_size, zero_hpz_partition_size, stage3_max_reuse_distance)
-VARIANTS: dict[str, tuple[int | str, int, int]] = {
-    "plain ZeRO-3": (-1, 1, 10**9),
-    "hybrid, shard within a node": ("node", 1, 10**9),
-    "hpZ (zero_hpz_partition_size 2)": (-1, 2, 10**9),
+PREFETCH = 200_000  # elements, about one of the demo's blocks (12 x 128^2)
+# name: (mics_shard_size, zero_hpz_partition_size, node_local_accumulation, gradients held
+# until the boundary by no_sync)
+VARIANTS: dict[str, tuple[int | str, int, bool, bool]] = {
+    "plain ZeRO-3": (-1, 1, False, False),
+    "hybrid, shard within a node (mics_shard_size)": ("node", 1, False, False),
+    "hpZ (zero_hpz_partition_size 2)": (-1, 2, False, False),
+    "node-local accumulation": (-1, 1, True, False),
+    "hpZ + node-local accumulation": (-1, 2, True, False),
+    "plain ZeRO-3, no_sync until the boundary": (-1, 1, False, True),
+    "hpZ, no_sync until the boundary": (-1, 2, False, True),
 }
 
 
@@ -40,7 +55,22 @@ def _train_gpt() -> Any:
     return module
 
 
-def _worker(shard_size: str, hpz: int, reuse: int) -> None:
+def worker_args(setting: tuple[int | str, int, bool, bool], *, release: bool = True) -> list[str]:
+    """The command line of `_worker` for a variant's setting; `release` False keeps
+    DeepSpeed's prefetch and reuse defaults (the whole demo stays gathered into the
+    backward), as bench_projection's check models it."""
+    size, hpz, node_local, hold = setting
+    return [
+        "--worker",
+        str(size),
+        str(hpz),
+        str(int(node_local)),
+        str(int(hold)),
+        str(int(release)),
+    ]
+
+
+def _worker(shard_size: str, hpz: int, node_local: bool, hold: bool, release: bool) -> None:
     import json
 
     import zcomm
@@ -52,14 +82,24 @@ def _worker(shard_size: str, hpz: int, reuse: int) -> None:
     train_gpt = _train_gpt()
     torch.manual_seed(0)
     config = train_gpt.ds_config(3, bf16=False)
-    config |= {"gradient_accumulation_steps": ACCUMULATION, "steps_per_print": 10**6}
+    # held: the user's micro-batches in one engine step (DDP's and Accelerate's no_sync use)
+    config |= {"gradient_accumulation_steps": 1 if hold else ACCUMULATION}
+    config |= {"steps_per_print": 10**6}
     size: int | str = shard_size if shard_size == "node" else int(shard_size)
     config["zero_optimization"] = dict(
         config["zero_optimization"],
         mics_shard_size=size,
         zero_hpz_partition_size=hpz,
-        stage3_max_reuse_distance=reuse,
+        node_local_accumulation=node_local,
     )
+    if release:
+        config["zero_optimization"] |= {
+            "stage3_max_reuse_distance": 0,
+            # scaled to the demo as DeepSpeed's defaults (5e7 and 1e9 elements) are to a model
+            # of billions: a bucket prefetches a block ahead, not the whole model and backward
+            "stage3_prefetch_bucket_size": PREFETCH,
+            "stage3_max_live_parameters": 2 * PREFETCH,
+        }
     engine, *_ = zengine.initialize(model=train_gpt.GPT(), config=config)
     rank = torch.distributed.get_rank()
     data = train_gpt.batches(None, 0, rank, torch.device("cpu"))
@@ -68,10 +108,13 @@ def _worker(shard_size: str, hpz: int, reuse: int) -> None:
     for _ in range(STEPS):
         zcomm.reset_comm_accounting()
         total = 0.0
-        for _ in range(ACCUMULATION):
-            loss = engine(*next(data))
-            engine.backward(loss)
-            engine.step()
+        for k in range(ACCUMULATION):
+            held = hold and k < ACCUMULATION - 1
+            with engine.no_sync() if held else contextlib.nullcontext():
+                loss = engine(*next(data))
+                engine.backward(loss / ACCUMULATION if hold else loss)
+            if not held:
+                engine.step()
             total += float(loss.detach())
         steps.append(zcomm.comm_bytes_by_link())
         mean = torch.tensor(total / ACCUMULATION)
@@ -90,8 +133,8 @@ def _worker(shard_size: str, hpz: int, reuse: int) -> None:
 
 def main() -> None:
     rows, plain_losses = [], None
-    for name, (size, hpz, reuse) in VARIANTS.items():
-        ranks = run_ranks(__file__, ["--worker", str(size), str(hpz), str(reuse)], world=WORLD)
+    for name, setting in VARIANTS.items():
+        ranks = run_ranks(__file__, worker_args(setting), world=WORLD)
         inter = statistics.median(float(r["inter"]) for r in ranks)  # type: ignore[arg-type]
         intra = statistics.median(float(r["intra"]) for r in ranks)  # type: ignore[arg-type]
         losses = ranks[0]["losses"]
@@ -115,7 +158,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 4 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) > 6 and sys.argv[1] == "--worker":
+        size, hpz, *flags = sys.argv[2:7]
+        _worker(size, int(hpz), *(bool(int(f)) for f in flags))
     else:
         main()

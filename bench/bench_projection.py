@@ -1,6 +1,6 @@
 """A projection (#25): step time of a 7 B Llama on 8-GPU nodes at 1-64 nodes, plain ZeRO-3
-against hybrid sharding and ZeRO++ hpZ, from a cost model checked against the bytes this repo
-measures (these machines have one node and no GPU).
+against hybrid sharding, ZeRO++ hpZ and node-local accumulation, from a cost model checked
+against the bytes this repo measures (these machines have one node and no GPU).
 
 The model lists, for one optimizer step, every collective a rank takes part in: its message
 (zcomm's accounting convention: all-gather the output's bytes, reduce-scatter the input's,
@@ -42,8 +42,14 @@ HEADER_B = 64  # zpartition's agreement header: 8 int64 per rank ([Note: agreeme
 
 Op = Literal["all_gather", "reduce_scatter", "all_reduce"]
 Phase = Literal["forward", "backward", "step"]
-Strategy = Literal["plain ZeRO-3", "hybrid", "hpZ"]
-STRATEGIES: tuple[Strategy, ...] = ("plain ZeRO-3", "hybrid", "hpZ")
+Strategy = Literal["plain ZeRO-3", "hybrid", "hpZ", "node-local", "hpZ + node-local"]
+STRATEGIES: tuple[Strategy, ...] = (
+    "plain ZeRO-3",
+    "hybrid",
+    "hpZ",
+    "node-local",
+    "hpZ + node-local",
+)
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,10 @@ def plan(s: Strategy, m: Model, world: Group, pb: int, gb: int) -> list[Collecti
     backward up to it)."""
     node, flat = Group(1, world.per_node), sum(m.units, ())
     group = node if s == "hybrid" else world  # where parameters and gradients are sharded
-    back = node if s == "hpZ" else group  # where the backward gathers (hpZ: the secondary)
+    back = node if s.startswith("hpZ") else group  # where the backward gathers (hpZ: secondary)
+    # node-local accumulation: each micro-batch reduce-scatters within the node, and the
+    # node's shards (one per node) across the nodes once per step
+    local = s.endswith("node-local") and world.nodes > 1
     after = [sum(map(sum, m.units[k + 1 :])) for k in range(len(m.units))]
     again = [u for u, a in zip(m.units, after, strict=True) if 2 * a >= ZERO.max_reuse_distance]
     every = flat + m.persistent
@@ -138,7 +147,7 @@ def plan(s: Strategy, m: Model, world: Group, pb: int, gb: int) -> list[Collecti
         Collective(
             "reduce_scatter",
             group.size * shard(every, group.size, gb),
-            group,
+            node if local else group,
             "backward",
             buckets,
             False,
@@ -146,6 +155,10 @@ def plan(s: Strategy, m: Model, world: Group, pb: int, gb: int) -> list[Collecti
         Collective("all_gather", gathered(m.persistent, group.size, pb), group, "step", 1, True),
         Collective("all_reduce", 4, group, "step", 1, True),  # the gradient norm (clipping)
     ]
+    if local:  # one shard per node of every gradient, and a presence flag per unit
+        flags = len(m.units) + bool(m.persistent)
+        across = world.nodes * (shard(every, group.size, gb) + gb * flags)
+        out.append(Collective("reduce_scatter", across, Group(world.nodes, 1), "step", 1, True))
     if s == "hybrid" and world.nodes > 1:  # the shard gradient across nodes, at the boundary
         replicas = Group(world.nodes, 1)
         out.append(
@@ -232,15 +245,19 @@ def check(measure: bool) -> None:
     )
     print("| variant | link | model (payload) | + headers | measured | measured / model+headers |")
     print("|---|---|---:|---:|---:|---:|")
-    checked: tuple[Strategy, ...] = ("plain ZeRO-3", "hybrid")
-    variants = list(bench_hybrid.VARIANTS.items())[: len(checked)]  # plain, then hybrid
-    for (name, setting), s in zip(variants, checked, strict=True):
+    checked: dict[Strategy, str] = {  # the strategy, and bench_hybrid's variant that runs it
+        "plain ZeRO-3": "plain ZeRO-3",
+        "hybrid": "hybrid, shard within a node (mics_shard_size)",
+        "node-local": "node-local accumulation",
+    }
+    for s, name in checked.items():
+        setting = bench_hybrid.VARIANTS[name]
         cs = plan(s, m, Group(world // per_node, per_node), b, b)
         group = cs[0].group
         headers = (3 * acc + 1) * HEADER_B * group.size
         got: list[float] | None = None
         if measure:  # bench_hybrid's own worker: the same training, the accounting's medians
-            args = ["--worker", *map(str, setting)]
+            args = bench_hybrid.worker_args(setting, release=False)  # DeepSpeed's defaults
             ranks = run_ranks(bench_hybrid.__file__, args, world=world)
             got = [statistics.median(float(str(r[k])) for r in ranks) for k in ("intra", "inter")]
         for link, model in enumerate(messages(cs, acc)):
@@ -291,6 +308,8 @@ def main() -> None:
         f"{HBM / 1e12:.1f} TB/s",
         f"Schedules: plain ZeRO-3 gathers and reduce-scatters over the world; hybrid within the "
         "node, all-reducing the node's gradient shard across nodes once per optimizer step; "
+        "node-local accumulation gathers as plain ZeRO-3, reduce-scatters within the node every "
+        "micro-batch and across the nodes once per step (one shard per node held between); "
         "hpZ (ZeRO++) gathers over the world in the forward, keeps a node-local secondary shard "
         "and gathers it in the backward, reduce-scatters over the world every micro-batch (so its "
         "cross-node gradient traffic is not once per step). Units reused within "
@@ -335,18 +354,17 @@ def main() -> None:
                         f"{r.intra_gb:.1f} | {r.inter_gb:.2f} |"
                     )
         for acc in ACCUMULATIONS:
-            ratios = [
-                project("plain ZeRO-3", n, acc, bw).total / project(h, n, acc, bw).total
-                for h in ("hybrid", "hpZ")
-                for n in NODES[1:]
-            ]
-            half = len(NODES) - 1
+            plain = [project("plain ZeRO-3", n, acc, bw).total for n in NODES[1:]]
+            ratios = {
+                h: ", ".join(
+                    f"{p / project(h, n, acc, bw).total:.2f}x"
+                    for p, n in zip(plain, NODES[1:], strict=True)
+                )
+                for h in STRATEGIES[1:]
+            }
             print(
                 f"\nThroughput against plain ZeRO-3 at {', '.join(map(str, NODES[1:]))} nodes, "
-                f"accumulation {acc}: hybrid "
-                + ", ".join(f"{x:.2f}x" for x in ratios[:half])
-                + "; hpZ "
-                + ", ".join(f"{x:.2f}x" for x in ratios[half:])
+                f"accumulation {acc}: " + "; ".join(f"{h} {r}" for h, r in ratios.items())
             )
         print()
     states = (PARAM_B + GRAD_B + STATE_B) * m.params / 1e9
@@ -355,8 +373,12 @@ def main() -> None:
     print("| strategy | " + " | ".join(f"N = {n}" for n in NODES) + " |")
     print("|---|" + "---:|" * len(NODES))
     for s in STRATEGIES:
-        secondary = PARAM_B * m.params / GPUS / 1e9 if s == "hpZ" else 0.0  # hpZ's copy
-        gb = [states / GPUS if s == "hybrid" else states / (GPUS * n) + secondary for n in NODES]
+        secondary = PARAM_B * m.params / GPUS / 1e9 if s.startswith("hpZ") else 0.0  # its copy
+        held = GRAD_B * m.params / GPUS / 1e9 if s.endswith("node-local") else 0.0  # 1 per node
+        gb = [
+            states / GPUS if s == "hybrid" else states / (GPUS * n) + secondary + held * (n > 1)
+            for n in NODES
+        ]
         print(f"| {s} | " + " | ".join(f"{x:.1f} GB" for x in gb) + " |")
     print(
         f"\nActivations, roughly 34 x s x h x layers bytes (Korthikanti et al. 2022, flash "
@@ -375,9 +397,14 @@ def main() -> None:
         "carries only (N-1)/N of M/8",
         "The achieved TFLOP/s of a 7 B Llama at sequence 4096 on one GPU (400 assumed)",
         "Memory: activations at sequence 4096 without recomputation, and hpZ's secondary shard",
-        "hpZ: zengine refuses zero_hpz_partition_size > 1 as this is written, so its rows are "
-        "the model alone and the check covers plain ZeRO-3 and hybrid; once hpZ lands, check "
-        "its bytes the same way (backward gathers within the node, reduce-scatter across)",
+        "hpZ's backward gathers: the check runs DeepSpeed's defaults, under which the demo stays "
+        "gathered from its forward into its backward and hpZ changes nothing, so the check "
+        "covers plain ZeRO-3, hybrid and node-local accumulation; hpZ's bytes are "
+        "bench_hybrid's (units released after the forward), set against no model here",
+        "The reductions at the step (hybrid's all-reduce, node-local accumulation's "
+        "reduce-scatter across nodes) are exposed in this model, as zstack runs them at the end "
+        "of the last backward; overlapping them with that backward (FSDP2's HSDP does) would "
+        "hide most of them: measure how much",
     ):
         print(f"- {line}")
 
