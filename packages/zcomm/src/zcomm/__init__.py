@@ -2,7 +2,8 @@
 
 ``import zcomm as dist`` stands in for ``deepspeed.comm``; `get_accelerator` for DeepSpeed's;
 `zcomm.topology` for its pipeline topology; `zcomm.testing` holds the distributed test harness.
-`quantize` and `dequantize` pack a tensor into int8 or int4 blocks for quantized communication.
+`quantize` and `dequantize` pack a tensor into int8 or int4 blocks for quantized communication;
+`all_gather_quantized` and `reduce_scatter_quantized` are ZeRO++'s collectives built on them.
 """
 
 from zcomm.__about__ import __version__
@@ -20,6 +21,7 @@ from zcomm._collectives import (
     all_gather,
     all_gather_into_tensor,
     all_reduce,
+    all_to_all_single,
     barrier,
     broadcast,
     inference_all_reduce,
@@ -45,6 +47,11 @@ from zcomm._quantize import (
     quantize,
     quantized_nbytes,
 )
+from zcomm._quantized_collectives import (
+    all_gather_quantized,
+    quantized_collective_nbytes,
+    reduce_scatter_quantized,
+)
 from zcomm._world import (
     destroy,
     get_local_rank,
@@ -69,7 +76,9 @@ __all__ = [
     "__version__",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_quantized",
     "all_reduce",
+    "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
     "broadcast",
@@ -94,9 +103,11 @@ __all__ = [
     "new_group",
     "node_layout",
     "quantize",
+    "quantized_collective_nbytes",
     "quantized_nbytes",
     "recv",
     "reduce",
+    "reduce_scatter_quantized",
     "reduce_scatter_tensor",
     "reset_comm_accounting",
     "send",

@@ -22,6 +22,7 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all_single",
     "barrier",
     "broadcast",
     "inference_all_reduce",
@@ -236,6 +237,54 @@ def all_gather_into_tensor(
         lambda a: _all_gather_single(output_tensor, input_tensor, group=group, async_op=a),
         async_op=async_op,
         nbytes=_nbytes(output_tensor),
+    )
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Send the r-th of `input`'s equal chunks (along dim 0) to rank r of `group`, and receive
+    rank r's chunk for this rank into the r-th chunk of `output`.
+
+    torch's ``all_to_all_single`` with equal splits only; `group` and `async_op` are keywords,
+    so that torch's positional split sizes fail here rather than mean a group. `output` and
+    `input` have one shape, whose first dimension the group size divides.
+    """
+    op = "all_to_all_single"
+    check_tensor(op, "output", output)
+    check_tensor(op, "input", input)
+    size = group_size(op, check_group(op, group))
+    check_same_kind(op, "output", output, "input", input)
+    if output.shape != input.shape:
+        raise ValueError(
+            f"{op}: output has shape {tuple(output.shape)}, input has {tuple(input.shape)}; "
+            "equal splits need one shape"
+        )
+    if input.dim() == 0 or input.shape[0] % size:
+        raise ValueError(
+            f"{op}: input's first dimension must split into group size = {size} equal chunks, "
+            f"got shape {tuple(input.shape)}"
+        )
+    for name, tensor in (("output", output), ("input", input)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous")
+    if size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return completed(op)
+    start, end = output.data_ptr(), output.data_ptr() + _nbytes(output)
+    if start < input.data_ptr() + _nbytes(input) and input.data_ptr() < end:
+        raise ValueError(f"{op}: output overlaps input (chunks would be overwritten unsent)")
+    return run(
+        op,
+        group,
+        lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
+        async_op=async_op,
+        nbytes=_nbytes(input),
     )
 
 
