@@ -100,6 +100,9 @@ class GradBuckets:
         self.storage = None if storage is None else list(storage)
         self.folding = low is not None  # every backward's hooks fold their buckets
         self.armed = True  # whether this backward's hooks act (stages 0, 1: the boundary's)
+        # stage 2: gradients held by backward passes that reduced nothing, by id(param), in the
+        # accumulation dtype ([Note: holding gradients]); taken with the next arrival
+        self.held: dict[int, torch.Tensor] = {}
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.overlap = overlap
@@ -145,6 +148,9 @@ class GradBuckets:
             return
         bucket, offset = self._bucket_of[id(param)]
         grad = param.grad
+        earlier = self.held.pop(id(param), None) if self.held else None
+        if earlier is not None:
+            grad = earlier if grad is None else earlier.add_(grad)
         if grad is not None and self.storage is None:
             bucket.fresh()[offset : offset + grad.numel()].add_(grad.reshape(-1))
             param.grad = None  # the bucket holds it now
@@ -156,11 +162,25 @@ class GradBuckets:
         while self._next < len(self._order) and self._order[self._next].waiting <= 0:
             self._start(self._order[self._next])
 
-    def take_left(self, params: Iterable[nn.Parameter]) -> None:
-        """Stage 2: take the gradients left in ``.grad`` by backward passes whose hooks stood
-        aside ([Note: holding gradients]) into their buckets, as if they arrived now."""
+    def hold(self, params: Iterable[nn.Parameter], dtype: torch.dtype) -> None:
+        """Stage 2, after a backward whose hooks stood aside: move the gradients it left in
+        ``.grad`` into `held`, summed in `dtype` ([Note: holding gradients])."""
         for p in params:
-            if p.grad is not None and id(p) in self._bucket_of:
+            grad = p.grad
+            if grad is None:
+                continue
+            p.grad = None
+            mine = self.held.get(id(p))
+            if mine is None:
+                self.held[id(p)] = grad.to(dtype)  # autograd's, let go: no copy in its dtype
+            else:
+                mine.add_(grad)
+
+    def take_left(self, params: Iterable[nn.Parameter]) -> None:
+        """Stage 2: take the held gradients no hook of this backward took into their buckets,
+        as if they arrived now."""
+        for p in params:
+            if id(p) in self.held:
                 self._arrived(p)
 
     @staticmethod

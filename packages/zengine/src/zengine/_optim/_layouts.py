@@ -141,10 +141,12 @@ class FlatLayout:
         # id(param) -> (group, offset in the group's flat buffers)
         self._offset_of = {id(p): (g, off) for g, pairs in enumerate(offsets) for p, off in pairs}
         self._accumulated = False  # the gradient buffers hold sums no reduction has taken yet
-        # stage 2 inside no_sync or coalesce_grad_reduction: backward passes leave the full
-        # gradients in .grad, and whether some are left there ([Note: holding gradients])
+        # stage 2 inside no_sync or coalesce_grad_reduction: backward passes hold the full
+        # gradients, in this dtype, and whether some are held ([Note: holding gradients])
         self._holding = False
         self._held = False
+        compute = self.flats[0].dtype if self.flats else torch.float32
+        self._held_dtype = accumulate_dtype or compute
 
     def _pack(
         self, params: list[nn.Parameter], device: torch.device
@@ -209,7 +211,9 @@ class FlatLayout:
         """The buckets not reduced yet, and every bucket's part into the partitions."""
         self._accumulated = (self.stage < 2 or self._holding) and not boundary
         if self.stage == 2 and self._holding:
-            return  # the full gradients stay in .grad ([Note: holding gradients])
+            # the full gradients are held, in the accumulation dtype ([Note: holding gradients])
+            self.buckets.hold((p for params in self.params for p in params), self._held_dtype)
+            return
         if self.stage == 2 and self._held:
             self.buckets.take_left(p for params in self.params for p in params)
             self._held = False
@@ -229,8 +233,9 @@ class FlatLayout:
         """[Note: holding gradients] Inside ``no_sync`` and ``coalesce_grad_reduction`` the
         backward passes reduce nothing: at stages 0 and 1 the gradients sum in the flat buffer
         as in any accumulation (the engine calls them no boundary); at stage 2 the bucket hooks
-        stand aside and autograd sums the full gradients in ``.grad``, which the next reducing
-        backward's hooks, or `reduce_held`, take into the buckets with their own: a full
+        stand aside and each backward's full gradients are summed apart, in the accumulation
+        dtype (fp32 for bf16, as the partitions sum the reduced ones), and the next reducing
+        backward's hooks, or `reduce_held`, take them into the buckets with its own: a full
         gradient's memory, for no communication until the end. Stage 3's is zpartition's
         [Note: gradient sync]."""
         self._holding = hold
@@ -250,7 +255,7 @@ class FlatLayout:
         if not self._accumulated:
             return  # after a step the reduction zeroed the buffers already
         if self.stage == 2:
-            self._drop_grads()  # what backward passes held in .grad ([Note: holding gradients])
+            self.buckets.held.clear()  # what backward passes held ([Note: holding gradients])
             self._held = False
         for flat in [*self.grad_flats, *self.low_grad_flats]:
             flat.zero_()
