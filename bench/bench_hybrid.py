@@ -10,9 +10,9 @@ are compared with plain ZeRO-3's. Every variant releases a unit after its forwar
 (``stage3_max_reuse_distance`` 0, FSDP2's ``reshard_after_forward=True``, and a prefetch
 bucket and live-parameter limit of about one block, where DeepSpeed's defaults would hold the
 whole demo), as a model that does not fit must: the backward gathers again, which is what hpZ
-keeps inside the node. "held until
-the boundary" runs the first micro-batches of each step inside ``engine.no_sync()``: their
-gradients stay whole on each rank and cross the ranks once, in the last backward.
+keeps inside the node. The "coalesce_grad_reduction" variants run each step's micro-batches
+inside ``engine.coalesce_grad_reduction()``: their gradients stay whole on each rank and cross
+the ranks once, as the block is left.
 "node-local accumulation" (``node_local_accumulation``) reduce-scatters each micro-batch's
 gradients within the node and across the nodes once per step.
 """
@@ -34,15 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS, ACCUMULATION, WORLD, PER_NODE = 4, 4, 4, 2
 PREFETCH = 200_000  # elements, about one of the demo's blocks (12 x 128^2)
 # name: (mics_shard_size, zero_hpz_partition_size, node_local_accumulation, gradients held
-# until the boundary by no_sync)
+# until one reduction by coalesce_grad_reduction)
 VARIANTS: dict[str, tuple[int | str, int, bool, bool]] = {
     "plain ZeRO-3": (-1, 1, False, False),
     "hybrid, shard within a node (mics_shard_size)": ("node", 1, False, False),
     "hpZ (zero_hpz_partition_size 2)": (-1, 2, False, False),
     "node-local accumulation": (-1, 1, True, False),
     "hpZ + node-local accumulation": (-1, 2, True, False),
-    "plain ZeRO-3, no_sync until the boundary": (-1, 1, False, True),
-    "hpZ, no_sync until the boundary": (-1, 2, False, True),
+    "plain ZeRO-3, coalesce_grad_reduction": (-1, 1, False, True),
+    "hpZ, coalesce_grad_reduction": (-1, 2, False, True),
 }
 
 
@@ -82,7 +82,7 @@ def _worker(shard_size: str, hpz: int, node_local: bool, hold: bool, release: bo
     train_gpt = _train_gpt()
     torch.manual_seed(0)
     config = train_gpt.ds_config(3, bf16=False)
-    # held: the user's micro-batches in one engine step (DDP's and Accelerate's no_sync use)
+    # held: the user's micro-batches in one engine step, as DeepSpeed's coalescing tests run
     config |= {"gradient_accumulation_steps": 1 if hold else ACCUMULATION}
     config |= {"steps_per_print": 10**6}
     size: int | str = shard_size if shard_size == "node" else int(shard_size)
@@ -108,14 +108,17 @@ def _worker(shard_size: str, hpz: int, node_local: bool, hold: bool, release: bo
     for _ in range(STEPS):
         zcomm.reset_comm_accounting()
         total = 0.0
-        for k in range(ACCUMULATION):
-            held = hold and k < ACCUMULATION - 1
-            with engine.no_sync() if held else contextlib.nullcontext():
+        with engine.coalesce_grad_reduction() if hold else contextlib.nullcontext():
+            for k in range(ACCUMULATION):
                 loss = engine(*next(data))
+                if hold:
+                    engine.set_gradient_accumulation_boundary(k == ACCUMULATION - 1)
                 engine.backward(loss / ACCUMULATION if hold else loss)
-            if not held:
-                engine.step()
-            total += float(loss.detach())
+                if not hold:
+                    engine.step()
+                total += float(loss.detach())
+        if hold:
+            engine.step()
         steps.append(zcomm.comm_bytes_by_link())
         mean = torch.tensor(total / ACCUMULATION)
         zcomm.enable_comm_accounting(False)  # the reported loss's all-reduce is not training's

@@ -238,6 +238,17 @@ class TestSteps(DistributedTest):
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
+    @pytest.mark.parametrize("world_size", [1])
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_no_sync_is_refused_where_gradients_are_partitioned(
+        self, world_size: int, stage: int
+    ) -> None:
+        engine, *_ = zengine.initialize(model=TinyGPT(), config=engine_config(stage))
+        with pytest.raises(RuntimeError, match=f"stage {stage} partitions"), engine.no_sync():
+            pass
+        with pytest.raises(AssertionError, match="no_sync context manager is incompatible"):
+            engine.no_sync().__enter__()
+
     @pytest.mark.parametrize("world_size", [1, 2])
     @STAGES
     def test_step_acts_at_the_boundary_only(self, world_size: int, stage: int) -> None:

@@ -45,6 +45,7 @@ class Engine(nn.Module):
 
     # whether step() checks ignore_unused_parameters (the pipeline engine's step is its own)
     checks_unused_parameters: ClassVar[bool] = True
+    pipeline_parallelism = False  # DeepSpeed's attribute: True for the pipeline engine
 
     def __init__(
         self,
@@ -351,11 +352,17 @@ class Engine(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside reduce nothing across ranks: the gradients accumulate on each
-        rank, and the next accumulation boundary's backward outside reduces all of it, as DDP's
-        and DeepSpeed's (not nested, no ``step()`` inside). At stages 2 and 3, which DeepSpeed
-        refuses, each rank holds its full gradients until then: a full gradient's memory for no
-        communication, within a node or across, until the boundary ([Note: holding
-        gradients])."""
+        rank, and the next accumulation boundary's backward outside reduces all of it. As
+        DeepSpeed's (its tests pin it): stages 0 and 1 only, not nested, and no ``step()``
+        inside; at stages 1-3 `coalesce_grad_reduction` holds them likewise."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise UsageError(
+                "engine.no_sync(): no_sync context manager is incompatible with gradient "
+                f"partitioning: ZeRO stage {stage} partitions gradients while backward runs, as "
+                "DeepSpeed's refuses; engine.coalesce_grad_reduction() holds them until one "
+                "reduction at stages 1-3"
+            )
         self._hold("no_sync")
         try:
             yield
@@ -369,6 +376,11 @@ class Engine(nn.Module):
         once, as a boundary's backward would, and ``step()`` follows it (not inside). Stages
         1-3; each rank holds its full gradients until the end ([Note: holding gradients]). An
         exception inside leaves without reducing (a rank alone in a collective would hang)."""
+        if self.pipeline_parallelism:
+            raise NotImplementedError(
+                "engine.coalesce_grad_reduction(): coalesce_grad_reduction is not supported under "
+                "pipeline parallelism (a pipeline engine accumulates within train_batch())"
+            )
         stage = self.zero_optimization_stage()
         if stage == 0:
             raise NotImplementedError(

@@ -10,7 +10,7 @@ their all-reduce instead ([Note: hybrid sharding], `_hybrid.py`).
 
 [Note: gradient sync]
 A backward run without gradient sync (`Partitioned.set_requires_gradient_sync(False)`, FSDP2's
-switch; zengine's ``no_sync()`` and ``coalesce_grad_reduction()``) reduces nothing: `hold` keeps
+switch; zengine's ``coalesce_grad_reduction()``) reduces nothing: `hold` keeps
 each unit's full gradients, summed over such passes in the reduction dtype, keyed by parameter.
 The next backward with sync adds them to its own as its buckets are filled (`_fill`), and reduces
 the held gradients of units it computed nothing for at its end, in model order, so the ranks'

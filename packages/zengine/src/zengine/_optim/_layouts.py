@@ -141,7 +141,7 @@ class FlatLayout:
         # id(param) -> (group, offset in the group's flat buffers)
         self._offset_of = {id(p): (g, off) for g, pairs in enumerate(offsets) for p, off in pairs}
         self._accumulated = False  # the gradient buffers hold sums no reduction has taken yet
-        # stage 2 inside no_sync or coalesce_grad_reduction: backward passes hold the full
+        # stage 2 inside coalesce_grad_reduction: backward passes hold the full
         # gradients, in this dtype, and whether some are held ([Note: holding gradients])
         self._holding = False
         self._held = False
@@ -230,14 +230,14 @@ class FlatLayout:
                 self._drop_grads()
 
     def hold_gradients(self, hold: bool) -> None:
-        """[Note: holding gradients] Inside ``no_sync`` and ``coalesce_grad_reduction`` the
+        """[Note: holding gradients] Inside ``coalesce_grad_reduction`` (and ``no_sync``) the
         backward passes reduce nothing: at stages 0 and 1 the gradients sum in the flat buffer
         as in any accumulation (the engine calls them no boundary); at stage 2 the bucket hooks
         stand aside and each backward's full gradients are summed apart, in the accumulation
-        dtype (fp32 for bf16, as the partitions sum the reduced ones), and the next reducing
-        backward's hooks, or `reduce_held`, take them into the buckets with its own: a full
+        dtype (``grad_accum_dtype``; the parameters' by default, as DeepSpeed's), and
+        `reduce_held` (or a reducing backward's hooks) takes them into the buckets: a full
         gradient's memory, for no communication until the end. Stage 3's is zpartition's
-        [Note: gradient sync]."""
+        [Note: gradient sync]. ``no_sync`` is stages 0 and 1's only, as DeepSpeed's."""
         self._holding = hold
         self._held = self._held or (hold and self.stage == 2)
 

@@ -78,6 +78,7 @@ class PipelineEngine(Engine):
     # ignore_unused_parameters is not checked: the schedule steps itself, and its split backward
     # writes .grad past the hooks that would see the gradients arrive
     checks_unused_parameters = False
+    pipeline_parallelism = True
 
     def __init__(
         self,
@@ -363,12 +364,6 @@ class PipelineEngine(Engine):
 
     def no_sync(self) -> Any:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
-
-    def coalesce_grad_reduction(self) -> Any:
-        raise PipelineError(
-            "coalesce_grad_reduction is not supported under pipeline parallelism: a pipeline "
-            "engine runs whole batches: call engine.train_batch()"
-        )
 
     def allreduce_gradients(self, bucket_size: int | None = None) -> None:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
