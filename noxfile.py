@@ -56,6 +56,13 @@ def _closure(package: str) -> list[str]:
     return order
 
 
+def _pip_install(session: nox.Session, *args: str) -> None:
+    """`session.install` without byte-compiling: pip compiles every module of torch, half of
+    its install time in each session's venv, where Python compiles on import only the modules
+    a session uses."""
+    session.install("--no-compile", *args)
+
+
 def _needs_torch(packages: list[str]) -> bool:
     return any("torch" in _declared(p) for p in packages)
 
@@ -65,11 +72,11 @@ def _install(session: nox.Session, packages: list[str], *extra: str) -> None:
     if _needs_torch(packages):
         torch_spec = os.environ.get("ZSTACK_TORCH")
         if torch_spec:
-            session.install(*shlex.split(torch_spec))
+            _pip_install(session, *shlex.split(torch_spec))
         else:
-            session.install("-c", CONSTRAINTS, "torch")
+            _pip_install(session, "-c", CONSTRAINTS, "torch")
     paths = [str(ROOT / "packages" / p) for p in packages]
-    session.install("-c", CONSTRAINTS, *paths, *extra)
+    _pip_install(session, "-c", CONSTRAINTS, *paths, *extra)
 
 
 @nox.session
@@ -102,7 +109,7 @@ def tests_gpu(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff, and the import-boundary contracts of ARCHITECTURE.md and of zengine's layers and
     subpackages (import-linter; 2.17 brought the private_modules contract)."""
-    session.install("ruff>=0.6", "import-linter>=2.17")
+    _pip_install(session, "ruff>=0.6", "import-linter>=2.17")
     session.run("ruff", "check", str(ROOT))
     session.run("ruff", "format", "--check", str(ROOT))
     src_dirs = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in [*PACKAGES, COMPAT])
@@ -112,8 +119,16 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package, its tests, the benchmarks and the examples."""
-    session.install(
-        "-c", CONSTRAINTS, "torch", "mypy>=1.10", "nox", "pydantic>=2.6", "hjson", *TEST_DEPS
+    _pip_install(
+        session,
+        "-c",
+        CONSTRAINTS,
+        "torch",
+        "mypy>=1.10",
+        "nox",
+        "pydantic>=2.6",
+        "hjson",
+        *TEST_DEPS,
     )
     config = ["--config-file", str(ROOT / "pyproject.toml")]
     for package in [*PACKAGES, COMPAT]:
@@ -133,8 +148,13 @@ def bench(session: nox.Session) -> None:
     # The loading and Trainer benchmarks drive Transformers on zstack: the compatibility
     # `deepspeed`, put first on the path for them alone (the others keep the real DeepSpeed).
     compat = Path(session.create_tmp()) / "deepspeed-compat"
-    session.install(
-        "--no-deps", "--upgrade", "--target", str(compat), str(ROOT / "packages/deepspeed-compat")
+    _pip_install(
+        session,
+        "--no-deps",
+        "--upgrade",
+        "--target",
+        str(compat),
+        str(ROOT / "packages/deepspeed-compat"),
     )
     chosen = session.posargs or [
         p.stem.removeprefix("bench_") for p in sorted(ROOT.glob("bench/bench_*.py"))
