@@ -65,6 +65,21 @@ class ZeroParamConfig:
     ZeRO-3 across the world over several nodes; nothing changes on one node; hybrid
     sharding's shard groups already keep the reduce-scatters in the node (`partition` refuses
     both at once)."""
+    quantized_weights: bool = False
+    """ZeRO++'s qwZ (DeepSpeed's ``zero_quantized_weights``): the all-gathers of the forward
+    and backward passes (fetches and prefetches) send each unit's shard as int8 codes with one
+    float32 scale per block of ``quantized_weights_block_size`` elements, about 1/4 of fp32's
+    bytes (1/2 of bf16's), and every rank computes with the dequantized weights, each element
+    within half its block's scale of the exact one ([Note: quantized weights]). Costs: that
+    error in the weights the passes compute with (the shards, the optimizer's masters, stay
+    exact, as do `GatheredParameters` and ``param.all_gather()``), a quantization and a
+    dequantization per gather, and a re-gather before an exact reader reads a unit a pass
+    gathered. Units mixing dtypes and persistent units are gathered exactly."""
+    quantized_weights_block_size: int = 2048
+    """Elements per quantization block (one float32 scale each) with ``quantized_weights``, at
+    least 1: smaller blocks follow the weights' range more closely (a smaller error) and send
+    more scales (4 bytes per block); a gather's last block is padded, so a gather of fewer
+    elements than a block still sends a whole block of codes."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -94,6 +109,7 @@ class ZeroParamConfig:
                     raise TypeError(f"ZeroParamConfig.{field.name} must be a bool, got {value!r}")
                 continue
             ranks = field.name == "secondary_partition_size"  # the only count of ranks
+            positive = ranks or field.name == "quantized_weights_block_size"
             if isinstance(value, float) and value.is_integer():
                 object.__setattr__(self, field.name, int(value))  # JSON configs write 1e5
             elif not isinstance(value, int) or isinstance(value, bool):
@@ -101,6 +117,6 @@ class ZeroParamConfig:
                     f"ZeroParamConfig.{field.name} must be an integer number of "
                     f"{'ranks' if ranks else 'elements'}, got {value!r}"
                 )
-            if getattr(self, field.name) < (1 if ranks else 0):
-                least = "1 (1: off)" if ranks else "0"
+            if getattr(self, field.name) < (1 if positive else 0):
+                least = "1 (1: off)" if ranks else "1" if positive else "0"
                 raise ValueError(f"ZeroParamConfig.{field.name} must be >= {least}, got {value}")

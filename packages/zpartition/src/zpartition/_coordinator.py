@@ -159,16 +159,20 @@ class Coordinator:
                 unit.release()
 
     def _gather(self, units: list[Unit]) -> None:
-        """Gather `units` for a pass (comm_dtype's narrower dtypes may go): those holding a
-        secondary shard within their secondary group, the others from the primary shards,
-        keeping a secondary shard in a training forward. Each part is agreed on its own
-        group's channel ([Note: secondary partition])."""
+        """Gather `units` for a pass (comm_dtype's narrower dtypes may go, and with
+        ``quantized_weights`` int8 codes: [Note: quantized weights]): those holding a
+        secondary shard within their secondary group (exactly: it holds what the forward
+        gathered), the others from the primary shards, keeping a secondary shard in a
+        training forward. Each part is agreed on its own group's channel ([Note: secondary
+        partition])."""
         secondary = [u for u in units if u.holds_secondary()]
         primary = [u for u in units if u.secondary is None] if secondary else units
         if primary:
             self.channel.agree(Kind.GATHER, [u.uid for u in primary])
             keep = not self.in_backward and torch.is_grad_enabled()
-            issue_gathers(primary, narrow=True, keep=keep)
+            config = self.config
+            quantize = config.quantized_weights_block_size if config.quantized_weights else None
+            issue_gathers(primary, narrow=True, keep=keep, quantize=quantize)
         if secondary:
             hpz = secondary[0].hpz
             assert hpz is not None

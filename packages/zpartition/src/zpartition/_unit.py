@@ -13,7 +13,8 @@ modules: fp32 weights that autocast casts to bf16 anyway) is gathered in that dt
 forward and backward passes: a *wire* copy of the shard carries it, half the bytes, and the
 copy-out widens it into the full buffer, whose values are then the ones autocast computes
 with. Every other gather (``GatheredParameters``, a persistent unit, taking the hooks off) is
-exact, and a unit still holding narrowed values is gathered again before it is read there.
+exact, and a unit still holding narrowed (or quantized) values is gathered again before it
+is read there.
 
 The full buffer is freed by resizing its storage to 0 bytes, not by dropping it: autograd keeps
 views of it (``addmm`` saves ``weight.t()``), and resizing frees the memory under those views,
@@ -22,7 +23,38 @@ one rank and the shard on the compute device, the shard *is* the full data: noth
 
 With a secondary partition, a forward's gather keeps some of its rows, and the backward gathers
 them within a node instead of the rows of every rank: [Note: secondary partition]
-(`_secondary.py`).
+(`_secondary.py`). With quantized weights, a pass's gathers send int8 codes instead of the
+shards: [Note: quantized weights].
+
+[Note: quantized weights]
+ZeRO++'s qwZ (DeepSpeed's ``zero_quantized_weights``, ``ZeroParamConfig.quantized_weights``):
+the gathers of the forward and backward passes (the `Coordinator`'s fetches and prefetches)
+carry each rank's shard as int8 codes with one float32 scale per block of
+``quantized_weights_block_size`` elements (`zcomm.all_gather_quantized`), about 1/4 of fp32's
+bytes (1/2 of bf16's), and every rank's full buffer holds the dequantized rows, its own row
+included, so that every rank computes with the same weights. Each element is within half its
+block's scale of the shard's. Only the communicated copy is quantized: the shards (the fp32
+masters the optimizer steps) are only read, and the full buffer is marked inexact, as a narrow
+gather's is, so that `GatheredParameters`, ``param.all_gather()`` and taking the hooks off
+(`make_exact`) gather it again exactly before reading it; their own gathers never quantize.
+
+Which units: a unit's shard is a byte buffer, and the quantizer reads one floating dtype, so a
+unit whose parameters share one dtype of float32, bfloat16, float16 or float64 is quantized as
+its whole shard viewed in that dtype (the alignment padding between chunks holds zeros, which
+cost nothing but their codes); a unit mixing dtypes, or holding a parameter of another dtype,
+is gathered as before (exact, or through its wire copy). Quantizing takes precedence over
+``comm_dtype``'s narrowing: an fp32 unit autocast computes in bf16 sends int8 codes, a quarter
+of its bytes rather than a half, dequantized into fp32. Units of the same dtype in one batch
+go in one quantized all-gather of their shards side by side, so the blocks run across units
+and a unit's values depend on which units it was gathered with (DeepSpeed's coalesced qwZ
+gather does the same): its backward may compute with weights a rounding apart from its
+forward's when the batches differ; units of another dtype, and those falling back, go in
+gathers of their own. Persistent units are gathered exactly (`refresh`, once per optimizer
+step: small by the persistence threshold, read in place), and so are units on one rank
+(`direct`: nothing goes).
+A secondary shard ([Note: secondary partition]) keeps the rows a quantized forward gathered,
+dequantized, and the backward gathers those exactly within the node: the backward computes
+with the forward's weights, as with narrow gathers.
 """
 
 from __future__ import annotations
@@ -45,6 +77,7 @@ from zpartition._store import ShardStore
 __all__ = ["GradKey", "Unit", "fetch_shards", "issue_gathers"]
 
 _ALIGN = 16  # bytes; every parameter's chunk starts aligned for any dtype's view
+_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _AVAILABLE, _NOT_AVAILABLE, _INFLIGHT = (
     ZeroParamStatus.AVAILABLE,
     ZeroParamStatus.NOT_AVAILABLE,
@@ -121,16 +154,24 @@ class _Gather:
 class _Pending:
     """A unit's part of a gather in flight: where it lies, and what to do with it."""
 
-    __slots__ = ("gather", "keep", "secondary", "start", "wire")
+    __slots__ = ("gather", "inexact", "keep", "secondary", "start", "wire")
 
     def __init__(
-        self, gather: _Gather, start: int, wire: bool, keep: int | None, secondary: bool
+        self,
+        gather: _Gather,
+        start: int,
+        wire: bool,
+        keep: int | None,
+        secondary: bool,
+        inexact: bool,
     ) -> None:
         self.gather = gather
         self.start = start  # its first byte in each row
         self.wire = wire  # it carries the wire copy (narrowed chunks)
         self.keep = keep  # keep a secondary shard, of the shards at this version (None: not)
         self.secondary = secondary  # the rows come from the secondary group's shards
+        # the rows are not the shards' exact values: narrowed, or quantized and dequantized
+        self.inexact = inexact
 
 
 class _Secondary(NamedTuple):
@@ -139,6 +180,7 @@ class _Secondary(NamedTuple):
     rows: torch.Tensor  # k rows of the unit's gathered bytes, back to back
     wire: bool  # they are wire bytes (the forward gathered narrowed chunks)
     version: int  # the shards' version they were gathered from
+    inexact: bool  # narrowed or dequantized values, not the shards' ([Note: quantized weights])
 
 
 def fetch_shards(units: Sequence[Unit]) -> None:
@@ -159,44 +201,66 @@ would otherwise hold 200 MB twice through a forward)."""
 
 
 def issue_gathers(
-    units: Sequence[Unit], *, narrow: bool = False, keep: bool = False, secondary: bool = False
+    units: Sequence[Unit],
+    *,
+    narrow: bool = False,
+    keep: bool = False,
+    secondary: bool = False,
+    quantize: int | None = None,
 ) -> None:
     """Start the all-gather of `units` (agreed with the other ranks first), small units
     together: a prefetch bucket of many small modules costs one collective's latency, not
     one each. `narrow`: for a pass, the parameters with a narrower ``comm_dtype`` in it.
     `keep`: each unit with a secondary group keeps its secondary shard of what comes;
     `secondary`: gather the units' secondary shards within their secondary group instead
-    ([Note: secondary partition])."""
+    ([Note: secondary partition]). `quantize`: for a pass, the units of one floating dtype
+    go quantized in blocks of this many elements, a gather per dtype ([Note: quantized
+    weights]); None: every shard goes as it is (or narrowed)."""
     if not secondary:
         fetch_shards(units)  # offloaded shards come back first (secondaries need none)
-    batch: list[tuple[Unit, bool]] = []
-    held = 0
+    # batches by how they go: None exact (or narrowed), a dtype quantized in that dtype
+    batches: dict[torch.dtype | None, tuple[list[tuple[Unit, bool]], int]] = {}
     for u in units:
         u.channel.count_live(0 if u.persistent else u.numel)
         if u.direct:
             u._show()
             continue
+        how: torch.dtype | None = None
         if secondary:
             assert u.secondary is not None
             wire = u.secondary.wire
+        elif quantize is not None and u.quantizable is not None:
+            how, wire = u.quantizable, False  # the shard goes, quantized
         else:
             wire = narrow and u.wire_bytes is not None  # else the shard goes as it is
         nbytes = u.channel.size * u.row_bytes(wire)  # the same from either group
+        batch, held = batches.get(how, ([], 0))
         if batch and held + nbytes > _COALESCE_BYTES:
-            _gather_together(batch, keep=keep, secondary=secondary)
+            _gather_together(batch, keep=keep, secondary=secondary, quantize=_block(how, quantize))
             batch, held = [], 0
         batch.append((u, wire))
-        held += nbytes
-    if batch:
-        _gather_together(batch, keep=keep, secondary=secondary)
+        batches[how] = (batch, held + nbytes)
+    for how, (batch, _) in batches.items():
+        if batch:
+            _gather_together(batch, keep=keep, secondary=secondary, quantize=_block(how, quantize))
+
+
+def _block(how: torch.dtype | None, quantize: int | None) -> int | None:
+    """The block size a batch of `issue_gathers` goes quantized in (None: it goes exact)."""
+    return None if how is None else quantize
 
 
 def _gather_together(
-    units: list[tuple[Unit, bool]], *, keep: bool = False, secondary: bool = False
+    units: list[tuple[Unit, bool]],
+    *,
+    keep: bool = False,
+    secondary: bool = False,
+    quantize: int | None = None,
 ) -> None:
     """One all-gather of the shards (or, with the flag, the narrow wire copies) of `units`,
     laid side by side, left in flight; with `secondary`, of their secondary shards within
-    their secondary group."""
+    their secondary group; with `quantize`, of their shards (all of `units`' one quantizable
+    dtype) quantized in blocks of that many elements and dequantized on arrival."""
     first = units[0][0]
     channel, device = (first.hpz if secondary else first.channel), first.device
     assert channel is not None
@@ -208,13 +272,30 @@ def _gather_together(
     ]
     sources = [t if t.device == device else t.to(device) for t in sources]
     source = sources[0] if len(sources) == 1 else torch.cat(sources)
-    gathered = source.new_empty(channel.size * source.numel())
-    handle = zcomm.all_gather_into_tensor(gathered, source, group=channel.group, async_op=True)
+    handle: zcomm.Handle
+    if quantize is None:
+        gathered = source.new_empty(channel.size * source.numel())
+        handle = zcomm.all_gather_into_tensor(gathered, source, group=channel.group, async_op=True)
+    else:  # the same rows of bytes, of dequantized values: [Note: quantized weights]
+        dtype = first.quantizable
+        assert dtype is not None
+        assert not secondary
+        values = source.view(dtype)  # the shards read, never written
+        full = values.new_empty(channel.size * values.numel())
+        handle = zcomm.all_gather_quantized(
+            full, values, bits=8, block_size=quantize, group=channel.group, async_op=True
+        )
+        gathered = full.view(torch.uint8)
     gather, start = _Gather(handle, gathered, channel.size), 0
     for (u, wire), part in zip(units, sources, strict=True):
         # the shards' version now: what the secondary shard will be a copy of
         version = u.shard._version if keep and u.hpz is not None else None
-        u._pending = _Pending(gather, start, wire, version, secondary)
+        if secondary:
+            assert u.secondary is not None
+            inexact = u.secondary.inexact
+        else:
+            inexact = wire or quantize is not None
+        u._pending = _Pending(gather, start, wire, version, secondary, inexact)
         start += part.numel()
         u.status = _INFLIGHT
         for p in u.params:
@@ -246,7 +327,9 @@ class Unit:
         # secondary shard held from a forward: [Note: secondary partition]
         self.hpz: Channel | None = None
         self.secondary: _Secondary | None = None
-        self.narrowed = False  # the full buffer holds values gathered narrow (for a pass)
+        # the full buffer holds values gathered narrow or quantized (for a pass), not the
+        # shards' exact ones
+        self.inexact = False
         self.numel = sum(int(p.ds_numel) for p in self.params)
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self._gathered_version = -1  # the shards' version at the last refresh
@@ -263,6 +346,11 @@ class Unit:
         # one rank with the shard on the compute device: the shard is the full data
         self.direct = world == 1 and self.shard.device == device
         self.narrow = [_narrow_dtype(p) for p in self.params]
+        # the dtype a pass may quantize the whole shard in: [Note: quantized weights]
+        dtypes = {p.dtype for p in self.params}
+        self.quantizable: torch.dtype | None = None
+        if not self.direct and len(dtypes) == 1 and next(iter(dtypes)) in _QUANTIZABLE:
+            self.quantizable = next(iter(dtypes))
         self._build_wire()
         self._build_full()
         self.empties = [torch.empty(0, dtype=p.dtype, device=device) for p in self.params]
@@ -395,7 +483,7 @@ class Unit:
         else:
             part = rows[:, pending.start : pending.start + row]
             if pending.keep is not None:
-                self._keep_secondary(part, wire, pending.keep)
+                self._keep_secondary(part, wire, pending.keep, pending.inexact)
         self.full.untyped_storage().resize_(self._full_bytes)
         if wire:  # the narrowed chunks widen as they are copied
             dsts = [dst for dst, _, _, _ in self._wire_plan]
@@ -406,12 +494,12 @@ class Unit:
         if pending.secondary:  # the (W, ...) destinations as (S, k, ...), like the rows
             dsts = [dst.view(*part.shape[:-1], -1) for dst in dsts]
         torch._foreach_copy_(dsts, srcs)
-        self.narrowed = wire
+        self.inexact = pending.inexact
         self._show()
 
     # -- the secondary shard ([Note: secondary partition]) ---------------------------------
 
-    def _keep_secondary(self, part: torch.Tensor, wire: bool, version: int) -> None:
+    def _keep_secondary(self, part: torch.Tensor, wire: bool, version: int, inexact: bool) -> None:
         """Copy this rank's k rows of a forward's gathered `part` (W rows) out of the gather's
         buffer, which goes once every unit in it has copied its part."""
         assert self.hpz is not None
@@ -419,7 +507,7 @@ class Unit:
         mine = part[self.hpz.rank * k : (self.hpz.rank + 1) * k]
         rows = torch.empty(mine.numel(), dtype=torch.uint8, device=mine.device)
         rows.view(mine.shape).copy_(mine)
-        self.secondary = _Secondary(rows, wire, version)
+        self.secondary = _Secondary(rows, wire, version, inexact)
 
     def holds_secondary(self) -> bool:
         """Whether a secondary shard of the shards as they are now is held (one kept before
@@ -442,12 +530,13 @@ class Unit:
         return 0 if held is None else int(held.rows.numel())
 
     def make_exact(self) -> None:
-        """If the full buffer holds narrowed values (a pass gathered it), gather it again as
-        it is: for readers other than the forward and backward passes (``GatheredParameters``,
-        taking the hooks off). Agreed with the other ranks, which all hold it alike."""
+        """If the full buffer holds narrowed or quantized values (a pass gathered it), gather
+        it again as it is: for readers other than the forward and backward passes
+        (``GatheredParameters``, taking the hooks off). Agreed with the other ranks, which all
+        hold it alike."""
         if self.status is _INFLIGHT:
             self.wait()
-        if self.status is _AVAILABLE and self.narrowed:
+        if self.status is _AVAILABLE and self.inexact:
             self.channel.agree(Kind.GATHER, [self.uid])
             _gather_together([(self, False)])
             self.wait()
@@ -478,7 +567,7 @@ class Unit:
         else:
             self.full.untyped_storage().resize_(0)
         self.status = _NOT_AVAILABLE
-        self.narrowed = False
+        self.inexact = False
         self._gathered_version = -1  # a persistent unit released must be gathered again
         if self.store is not None:
             self.store.evict(self.shard)
