@@ -205,8 +205,11 @@ class Init:
         mpu: accepted for DeepSpeed compatibility; unused.
         mem_efficient_linear: accepted for DeepSpeed compatibility; unused (torch's linear
             layers save what their backward needs, and their weights are re-gathered for it).
-        zero_quantized_weights, zero_quantized_nontrainable_weights: DeepSpeed's ZeRO++
-            quantization, which zpartition does not have: only ``False``.
+        zero_quantized_weights: DeepSpeed's ZeRO++ qwZ; accepted either way: the cut is the
+            same, and the passes' gathers are quantized by ``partition`` with
+            ``ZeroParamConfig.quantized_weights`` (zengine's ``zero_quantized_weights``).
+        zero_quantized_nontrainable_weights: DeepSpeed's MixZ++, which zpartition does not
+            have: only ``False``.
         sync_module_states: zstack's, not DeepSpeed's (FSDP's name for the same): ``True``
             broadcasts rank 0's freshly built values of each module before the cut, so every
             rank's shard comes from the same values, as DeepSpeed does. ``False`` skips that:
@@ -254,12 +257,11 @@ class Init:
         sync_module_states: bool = True,
         replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
-        for name, value in (
-            ("zero_quantized_weights", zero_quantized_weights),
-            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights),
-        ):
-            if value:
-                raise ValueError(f"Init({name}=True): ZeRO++ quantization is not implemented")
+        if zero_quantized_nontrainable_weights:
+            raise ValueError(
+                "Init(zero_quantized_nontrainable_weights=True): ZeRO++'s quantized frozen "
+                "weights are not implemented"
+            )
         self.enabled = enabled
         self.sync = sync_module_states
         if enabled and data_parallel_group is None and replicate_group is None:

@@ -6,7 +6,8 @@ The world is cut into shard groups of consecutive ranks (`zpartition.hybrid_grou
 rank's replicate group holds the ranks with its index in every shard group. zpartition shards the
 model within the shard group and holds its gradients there; the ZeRO optimizer all-reduces its
 gradient partition across the replicate group once per step ([Note: hybrid sharding] in
-zpartition/_hybrid.py).
+zpartition/_hybrid.py). The other keys of stage 3's communication (hpZ, node-local
+accumulation, quantized weights) are checked here too, before any group is made.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
     zero = cfg.zero_optimization
     _check_secondary(cfg)
     _check_node_local(cfg, group)
+    if zero.zero_quantized_weights and cfg.zero_stage != 3:
+        raise ConfigError(
+            [
+                "zero_optimization.zero_quantized_weights: ZeRO++'s qwZ quantizes stage 3's "
+                f"parameter gathers; this config runs stage {cfg.zero_stage}"
+            ]
+        )
     wanted = zero.mics_shard_size
     if wanted == -1 and not zero.mics_hierarchical_params_gather:
         return HybridGroups(group, None)

@@ -134,7 +134,6 @@ _KEYS = (
         )
     ),
     _Key((_ZERO, "legacy_stage1"), "legacy stage 1", _is(False), "false"),
-    _Key((_ZERO, "zero_quantized_weights"), "ZeRO++ quantized weights", _is(False), "false"),
     _Key(
         (_ZERO, "zero_quantized_nontrainable_weights"),
         "ZeRO++ quantized frozen weights",

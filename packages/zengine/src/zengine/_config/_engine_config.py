@@ -210,6 +210,7 @@ class EngineConfig(_Sections):
             reduce_dtype=self.communication_dtype,
             secondary_partition_size=zero.zero_hpz_partition_size,
             node_local_accumulation=zero.node_local_accumulation,
+            quantized_weights=zero.zero_quantized_weights,
         )
 
 

@@ -447,6 +447,12 @@ class ZeroConfig(Section):
     forward all-gather each rank keeps 1/n of it, so the backward gathers it within n ranks of
     one node instead of across every rank; it must divide a node's ranks. Costs 1/n of each
     released module's parameters from its forward to its backward. 1: off."""
+    zero_quantized_weights: Flag = False
+    """Stage 3, ZeRO++'s qwZ: the forward's and backward's all-gathers send each module's
+    shards as int8 with a float32 scale per block of 2048 elements (about 1/4 of fp32's bytes,
+    1/2 of bf16's); every rank computes with the dequantized weights, while the shards, the
+    fp32 masters and what checkpoints and ``GatheredParameters`` read stay exact. Modules
+    mixing dtypes, and the small persistent parameters, are gathered exactly."""
     node_local_accumulation: Flag = False
     """Stage 3 across several nodes (zstack's key): each micro-batch's gradients are
     reduce-scattered within the node only and held, 1/L of the full gradient per rank (nodes
