@@ -78,7 +78,8 @@ class Engine(nn.Module):
         # inside no_sync() or coalesce_grad_reduction() (its name): backward passes reduce
         # nothing ([Note: holding gradients])
         self._holding: str | None = None
-        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word
+        # set_gradient_accumulation_boundary's word, under DeepSpeed's name (its tests read it)
+        self._is_gradient_accumulation_boundary: bool | None = None
         # DeepSpeed's: False leaves the reduction at an accumulation boundary (stages 0, 1) to
         # allreduce_gradients(); whether this accumulation's gradients are reduced yet
         self.enable_backward_allreduce = True
@@ -194,8 +195,8 @@ class Engine(nn.Module):
         """Whether the next ``step()`` steps the optimizer (and the backward before it reduces
         the accumulated gradients): every ``gradient_accumulation_steps``-th micro-step, or as
         `set_gradient_accumulation_boundary` last said."""
-        if self._boundary is not None:
-            return self._boundary
+        if self._is_gradient_accumulation_boundary is not None:
+            return self._is_gradient_accumulation_boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -207,7 +208,7 @@ class Engine(nn.Module):
                 "engine.set_gradient_accumulation_boundary(is_boundary): expected a bool, got "
                 f"{is_boundary!r}"
             )
-        self._boundary = is_boundary
+        self._is_gradient_accumulation_boundary = is_boundary
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self._trainer("get_lr()").param_groups]
