@@ -360,9 +360,9 @@ class Engine(nn.Module):
         if stage >= 2:
             raise UsageError(
                 "engine.no_sync(): no_sync context manager is incompatible with gradient "
-                f"partitioning: ZeRO stage {stage} partitions gradients while backward runs, as "
-                "DeepSpeed's refuses; engine.coalesce_grad_reduction() holds them until one "
-                "reduction at stages 1-3"
+                f"partitioning: ZeRO stage {stage} partitions gradients while backward runs "
+                "(DeepSpeed refuses it too); engine.coalesce_grad_reduction() holds them until "
+                "one reduction, at stages 1-3"
             )
         self._hold("no_sync")
         try:
