@@ -59,8 +59,10 @@ def _closure(package: str) -> list[str]:
 def _pip_install(session: nox.Session, *args: str) -> None:
     """`session.install` without byte-compiling: pip compiles every module of torch, half of
     its install time in each session's venv, where Python compiles on import only the modules
-    a session uses."""
+    a session uses. Those are written once for the session's later processes to read, even
+    where the machine sets PYTHONDONTWRITEBYTECODE (every worker would compile torch again)."""
     session.install("--no-compile", *args)
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: Python writes bytecode
 
 
 def _needs_torch(packages: list[str]) -> bool:
