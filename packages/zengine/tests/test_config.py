@@ -583,7 +583,7 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
             "bf16": {"enabled": True, "bf16_optimizer_states": True},
             "zero_optimization": {
                 "stage": 3,
-                "zero_quantized_gradients": True,
+                "zero_quantized_nontrainable_weights": True,
                 "cpu_offload": True,  # and offload_optimizer too
                 "offload_optimizer": {"device": "cpu", "ratio": 0.3},
             },
@@ -598,8 +598,9 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
         'remove the key or set it to "enabled": false; use "fp16" or "bf16"',
         "bf16.bf16_optimizer_states: DeepSpeed's bf16 optimizer states, which zengine does not "
         "implement (got True); remove the key or set it to false",
-        "zero_optimization.zero_quantized_gradients: DeepSpeed's ZeRO++ quantized gradients, "
-        "which zengine does not implement (got True); remove the key or set it to false",
+        "zero_optimization.zero_quantized_nontrainable_weights: DeepSpeed's ZeRO++ quantized "
+        "frozen weights, which zengine does not implement (got True); remove the key or set it "
+        "to false",
         "zero_optimization.offload_optimizer.ratio: DeepSpeed's partial optimizer offload, "
         "which zengine does not implement (got 0.3); remove the key or set it to 1.0",
     ]

@@ -1,5 +1,6 @@
-"""ZeRO++ quantized communication through the config (``zero_quantized_weights``): training
-close to plain PyTorch and not equal to the exact run, what is saved exact, refusals."""
+"""ZeRO++ quantized communication through the config (``zero_quantized_weights``,
+``zero_quantized_gradients``): training close to plain PyTorch and not equal to the exact run,
+what is saved exact, refusals."""
 
 from __future__ import annotations
 
@@ -24,23 +25,25 @@ def _config(stage: int = 3, **zero: Any) -> dict[str, Any]:
     return cfg
 
 
-class TestQuantizedWeights(DistributedTest):
+class TestQuantizedCommunication(DistributedTest):
     world_size = 2
 
+    @pytest.mark.parametrize("keys", [("weights",), ("weights", "gradients")])
     def test_training_follows_plain_pytorch_and_the_saved_weights_are_exact(
-        self, tmp_path: Path
+        self, tmp_path: Path, keys: tuple[str, ...]
     ) -> None:
         torch.manual_seed(0)
         model = TinyGPT()
         reference, exact = copy.deepcopy(model), copy.deepcopy(model)
         data = global_batches(4, 2 * 2)
-        cfg = _config(zero_quantized_weights=True, stage3_gather_16bit_weights_on_model_save=True)
+        quantized = {f"zero_quantized_{key}": True for key in keys}
+        cfg = _config(stage3_gather_16bit_weights_on_model_save=True, **quantized)
         engine, *_ = zengine.initialize(model=model, config=cfg)
         losses = train_engine(engine, data)
         other, *_ = zengine.initialize(model=exact, config=_config())
         unquantized = train_engine(other, data)
         expected = plain_losses(reference, data, lr=LR)
-        # int8 blocks of 2048: the weights each pass computes with are within half a scale
+        # int8 blocks of 2048: weights and gradients each within half a scale
         torch.testing.assert_close(losses, expected, rtol=1e-2, atol=0)
         assert losses != unquantized  # the gathers were quantized
         torch.testing.assert_close(unquantized, expected, rtol=1e-5, atol=0)
@@ -54,5 +57,8 @@ class TestQuantizedWeights(DistributedTest):
                 assert torch.equal(saved[name], master), name
 
     def test_it_is_stage_3s(self) -> None:
-        with pytest.raises(ValueError, match="zero_quantized_weights: ZeRO\\+\\+'s qwZ"):
-            zengine.initialize(model=TinyGPT(), config=_config(2, zero_quantized_weights=True))
+        for key in ("weights", "gradients"):
+            with pytest.raises(ValueError, match=f"zero_quantized_{key}: ZeRO\\+\\+'s q"):
+                zengine.initialize(
+                    model=TinyGPT(), config=_config(2, **{f"zero_quantized_{key}": True})
+                )

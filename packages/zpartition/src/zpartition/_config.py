@@ -80,6 +80,15 @@ class ZeroParamConfig:
     least 1: smaller blocks follow the weights' range more closely (a smaller error) and send
     more scales (4 bytes per block); a gather's last block is padded, so a gather of fewer
     elements than a block still sends a whole block of codes."""
+    quantized_gradients: bool = False
+    """ZeRO++'s qgZ (DeepSpeed's ``zero_quantized_gradients``): each gradient bucket is
+    reduce-scattered as int8 codes with one float32 scale per block of
+    ``quantized_weights_block_size`` elements through one all-to-all
+    (`zcomm.reduce_scatter_quantized`), hierarchically over the nodes when the model is
+    partitioned across a world of several (within the node first, then across with 1/L of the
+    bytes), and summed in float32. Costs: each rank's contribution is off by up to half its
+    block's scale (the hierarchical second stage adds as much again), a quantization and a
+    dequantization per bucket. The masters and what the optimizer accumulates stay float."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -136,6 +136,8 @@ class State:
         # False: backward passes hold full gradients instead of reducing ([Note: gradient
         # sync]); `unsynced` by id(param), `unsynced_units` the units they belong to
         self.requires_gradient_sync = True
+        # quantized gradients (qgZ): (block size, hierarchical over the nodes), or None
+        self.quantize: tuple[int, bool] | None = None
         self.unsynced: dict[int, torch.Tensor] = {}
         self.unsynced_units: dict[Unit, None] = {}
         # reduce-scatters in flight, to finish, with the key of the bucket each reads
@@ -388,7 +390,14 @@ class State:
             if scale is not None and (self.replicas or self.node_local) is not None:
                 scale = (scale[0], 1.0)  # the post-factor after the second stage's sum
             bucket = GradBucket(
-                dtype, width, self.channel, self.root_device, rows, scale, self.node_split
+                dtype,
+                width,
+                self.channel,
+                self.root_device,
+                rows,
+                scale,
+                self.node_split,
+                self.quantize,
             )
             self.buckets[key] = bucket
         return bucket

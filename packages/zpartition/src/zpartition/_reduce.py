@@ -109,12 +109,15 @@ class GradBucket:
         rows: torch.Tensor | None = None,
         scale: tuple[float, float] | None = None,
         node_split: tuple[dist.ProcessGroup, int, int] | None = None,
+        quantize: tuple[int, bool] | None = None,
     ) -> None:
         self.channel = channel
         self.scale = scale  # (before, after) a sum (ZeroParamConfig.reduce_scale); None: average
         # node-local accumulation: (this node's group, nodes, local rank), reduced within the
         # node only ([Note: node-local accumulation], `_partial.py`)
         self.node_split = node_split
+        # quantized gradients (ZeRO++'s qgZ): (block size, hierarchical over the nodes)
+        self.quantize = quantize
         # `rows`: a buffer kept across passes (persistent_grad_buckets), else a new one
         self.rows = (
             torch.empty(channel.size, capacity, dtype=dtype, device=device)
@@ -158,9 +161,21 @@ class GradBucket:
             op = zcomm.ReduceOp.SUM
             if scale[0] != 1.0:
                 flat.mul_(scale[0])  # in the bucket's dtype, the reduction's
-        handle = zcomm.reduce_scatter_tensor(
-            mine, flat, op=op, group=group, async_op=overlap, scratch_input=True
-        )
+        if self.quantize is None:
+            handle = zcomm.reduce_scatter_tensor(
+                mine, flat, op=op, group=group, async_op=overlap, scratch_input=True
+            )
+        else:
+            block, hierarchical = self.quantize
+            handle = zcomm.reduce_scatter_quantized(
+                mine,
+                flat,
+                block_size=block,
+                op=op,
+                group=group,
+                hierarchical=hierarchical,
+                async_op=overlap,
+            )
         entries = self.entries
         self.entries, self.rows = [], self.rows[:, :0]
 

@@ -36,13 +36,19 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
     zero = cfg.zero_optimization
     _check_secondary(cfg)
     _check_node_local(cfg, group)
-    if zero.zero_quantized_weights and cfg.zero_stage != 3:
-        raise ConfigError(
-            [
-                "zero_optimization.zero_quantized_weights: ZeRO++'s qwZ quantizes stage 3's "
-                f"parameter gathers; this config runs stage {cfg.zero_stage}"
-            ]
-        )
+    for key, on, what in (
+        ("zero_quantized_weights", zero.zero_quantized_weights, "qwZ quantizes stage 3's gathers"),
+        (
+            "zero_quantized_gradients",
+            zero.zero_quantized_gradients,
+            "qgZ quantizes stage 3's reductions",
+        ),
+    ):
+        if on and cfg.zero_stage != 3:
+            stage = cfg.zero_stage
+            raise ConfigError(
+                [f"zero_optimization.{key}: ZeRO++'s {what}; this config runs stage {stage}"]
+            )
     wanted = zero.mics_shard_size
     if wanted == -1 and not zero.mics_hierarchical_params_gather:
         return HybridGroups(group, None)

@@ -140,7 +140,6 @@ _KEYS = (
         _is(False),
         "false",
     ),
-    _Key((_ZERO, "zero_quantized_gradients"), "ZeRO++ quantized gradients", _is(False), "false"),
     _Key((_ZERO, "zeropp_loco_param"), "ZeRO++ LoCo", _empty, "null"),
     _Key((_ZERO, "pipeline_loading_checkpoint"), "pipelined loading", _is(False), "false"),
     _Key((*_OPT, "ratio"), "partial optimizer offload", _is(1, 1.0), "1.0"),

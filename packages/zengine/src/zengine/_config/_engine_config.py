@@ -211,6 +211,7 @@ class EngineConfig(_Sections):
             secondary_partition_size=zero.zero_hpz_partition_size,
             node_local_accumulation=zero.node_local_accumulation,
             quantized_weights=zero.zero_quantized_weights,
+            quantized_gradients=zero.zero_quantized_gradients,
         )
 
 

@@ -453,6 +453,11 @@ class ZeroConfig(Section):
     1/2 of bf16's); every rank computes with the dequantized weights, while the shards, the
     fp32 masters and what checkpoints and ``GatheredParameters`` read stay exact. Modules
     mixing dtypes, and the small persistent parameters, are gathered exactly."""
+    zero_quantized_gradients: Flag = False
+    """Stage 3, ZeRO++'s qgZ: each gradient bucket is reduce-scattered as int8 with a float32
+    scale per block of 2048 elements through an all-to-all (about 1/4 of fp32's bytes),
+    hierarchically over several nodes (within the node, then across with 1/L of the bytes),
+    and summed in fp32; each rank's contribution is within half a block's scale."""
     node_local_accumulation: Flag = False
     """Stage 3 across several nodes (zstack's key): each micro-batch's gradients are
     reduce-scattered within the node only and held, 1/L of the full gradient per rank (nodes
