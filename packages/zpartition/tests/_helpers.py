@@ -175,3 +175,20 @@ def pass_bytes(model: nn.Module, tokens: torch.Tensor) -> list[dict[str, tuple[i
     losses: list[torch.Tensor] = []
     forward = link_bytes(lambda: losses.append(model(tokens)))
     return [forward, link_bytes(lambda: losses[0].backward())]
+
+
+def rank_grads(model: nn.Module, data: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient summed over `data` and every rank's slice of each item (the
+    ranks' losses as `train_partitioned` cuts them), computed in one process."""
+    import zcomm
+
+    world = zcomm.get_world_size()
+    found: dict[str, torch.Tensor] = {}
+    for tokens in data:
+        for part in tokens.chunk(world):
+            model.zero_grad()
+            model(part).backward()
+            for n, p in model.named_parameters():
+                assert p.grad is not None
+                found[n] = found.get(n, torch.zeros_like(p)) + p.grad
+    return found

@@ -15,7 +15,15 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig, ZeroParamError
 
-from ._helpers import TinyGPT, batches, groups, hybrid_groups, reference_losses, train_partitioned
+from ._helpers import (
+    TinyGPT,
+    batches,
+    groups,
+    hybrid_groups,
+    rank_grads,
+    reference_losses,
+    train_partitioned,
+)
 
 # (world size, shard group size): replicas x shard size of 2 x 1, 1 x 2, 4 x 1, 2 x 2, 1 x 4
 LAYOUTS = pytest.mark.parametrize(("world_size", "shard"), [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)])
@@ -105,19 +113,6 @@ class TestReplicaTraffic(DistributedTest):
         assert boundary == 4 * (shards + groups)
 
 
-def _rank_grads(model: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The gradients of each rank's loss on its slice of `tokens`, one entry per rank."""
-    world = zcomm.get_world_size()
-    found: dict[str, torch.Tensor] = {}
-    for part in tokens.chunk(world):
-        model.zero_grad()
-        model(part).backward()
-        for n, p in model.named_parameters():
-            assert p.grad is not None
-            found[n] = found.get(n, torch.zeros_like(p)) + p.grad
-    return found  # the sum over ranks
-
-
 def _my_chunk(full: torch.Tensor, shard: int) -> torch.Tensor:
     chunk = math.ceil(full.numel() / shard)
     flat = nn.functional.pad(full.reshape(-1), (0, chunk * shard - full.numel()))
@@ -146,10 +141,10 @@ class TestReductionFactors(DistributedTest):
         for tokens, require in zip(mine, [False, True, True], strict=True):
             handle.set_requires_all_reduce(require)
             model(tokens).backward()
-        summed = [_rank_grads(reference, tokens) for tokens in data]
+        summed = rank_grads(reference, data)
         factor = world_size if mode == "sum" else 1
         for n, p in model.named_parameters():
-            expected = torch.stack([s[n] for s in summed]).sum(0) / world_size * factor
+            expected = summed[n] / world_size * factor
             torch.testing.assert_close(p.ds_tensor.grad, _my_chunk(expected, shard), msg=n)
 
     @pytest.mark.parametrize(("world_size", "shard"), [(2, 1), (4, 2)])
@@ -182,10 +177,10 @@ class TestReductionFactors(DistributedTest):
             zcomm.enable_comm_accounting(False)
         ids = sorted(received)
         handle.all_reduce_replicas([received[i] for i in ids])
-        summed = [_rank_grads(reference, tokens) for tokens in data]
+        summed = rank_grads(reference, data)
         for n, p in model.named_parameters():
             assert p.ds_tensor.grad is None
-            expected = torch.stack([s[n] for s in summed]).sum(0) / world_size
+            expected = summed[n] / world_size
             torch.testing.assert_close(received[p.ds_id], _my_chunk(expected, shard), msg=n)
 
 

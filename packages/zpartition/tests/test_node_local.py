@@ -23,6 +23,7 @@ from ._helpers import (
     hybrid_groups,
     link_bytes,
     nodes_of,
+    rank_grads,
     reference_losses,
     train_partitioned,
 )
@@ -44,20 +45,6 @@ def _my_chunk(full: torch.Tensor) -> torch.Tensor:
     chunk = math.ceil(full.numel() / world)
     flat = nn.functional.pad(full.reshape(-1), (0, chunk * world - full.numel()))
     return flat[zcomm.get_rank() * chunk :][:chunk]
-
-
-def _summed_grads(model: nn.Module, data: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The sum over `data` and every rank's slice of each parameter's gradient."""
-    world = zcomm.get_world_size()
-    found: dict[str, torch.Tensor] = {}
-    for tokens in data:
-        for part in tokens.chunk(world):
-            model.zero_grad()
-            model(part).backward()
-            for n, p in model.named_parameters():
-                assert p.grad is not None
-                found[n] = found.get(n, torch.zeros_like(p)) + p.grad
-    return found
 
 
 class TestParity(DistributedTest):
@@ -127,7 +114,7 @@ class TestReductionFactors(DistributedTest):
             for tokens, require in zip(data, [False, True, True], strict=True):
                 handle.set_requires_all_reduce(require)
                 model(tokens.chunk(4)[zcomm.get_rank()]).backward()
-        summed = _summed_grads(reference, data)
+        summed = rank_grads(reference, data)
         factor = 4 if mode == "sum" else 1
         for n, p in model.named_parameters():
             expected = summed[n] / 4 * factor
@@ -150,7 +137,7 @@ class TestReductionFactors(DistributedTest):
                 handle.set_requires_all_reduce(k == len(data) - 1)
                 model(tokens.chunk(4)[zcomm.get_rank()]).backward()
                 assert bool(calls) == (k == len(data) - 1)
-        summed = _summed_grads(reference, data)
+        summed = rank_grads(reference, data)
         for n, p in model.named_parameters():
             assert p.ds_tensor.grad is None
             torch.testing.assert_close(received[p.ds_id], _my_chunk(summed[n] / 4), msg=n)

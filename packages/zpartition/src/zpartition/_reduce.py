@@ -24,7 +24,7 @@ ARCHITECTURE.md, "Two gradient buckets, on purpose".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,23 +74,29 @@ def to_sink(sink: GradientSink) -> Deliver:
     return deliver
 
 
-def keep_local(unit: Unit, sink: GradientSink | None = None) -> None:
-    """One rank: move each full gradient into ``ds_tensor.grad`` (a view, no copy)."""
+def _taken_grads(unit: Unit) -> Iterator[tuple[_GradGroup, ZeroParameter, torch.Tensor]]:
+    """Each of `unit`'s full gradients with its group and parameter, taken off the parameter
+    (its ``.grad`` is None after); parameters without one are skipped."""
     for group in unit.grad_groups:
         for i in group.indices:
             p = unit.params[i]
             grad = p.grad
-            if grad is None:
-                continue
-            p.grad = None
-            if sink is not None:
-                sink([p], [grad.view(-1)])
-                continue
-            shard = p.ds_tensor
-            if shard.grad is None:
-                shard.grad = grad.view(-1)
-            else:
-                shard.grad.add_(grad.view(-1))
+            if grad is not None:
+                p.grad = None
+                yield group, p, grad
+
+
+def keep_local(unit: Unit, sink: GradientSink | None = None) -> None:
+    """One rank: move each full gradient into ``ds_tensor.grad`` (a view, no copy)."""
+    for _, p, grad in _taken_grads(unit):
+        if sink is not None:
+            sink([p], [grad.view(-1)])
+            continue
+        shard = p.ds_tensor
+        if shard.grad is None:
+            shard.grad = grad.view(-1)
+        else:
+            shard.grad.add_(grad.view(-1))
 
 
 class GradBucket:
@@ -199,19 +205,13 @@ def _nothing() -> None:
 def hold(unit: Unit, held: dict[int, torch.Tensor], reduce_dtype: torch.dtype | None) -> None:
     """A backward without gradient sync: add `unit`'s full gradients into `held` (by ``id`` of
     the parameter, in the reduction dtype) instead of reducing them ([Note: gradient sync])."""
-    for group in unit.grad_groups:
-        dtype = reduction_dtype(group, reduce_dtype)
-        for i in group.indices:
-            p = unit.params[i]
-            grad = p.grad
-            if grad is None:
-                continue
-            p.grad = None
-            mine = held.get(id(p))
-            if mine is None:
-                held[id(p)] = grad.to(dtype)  # autograd's tensor, let go: kept without a copy
-            else:
-                mine.add_(grad)
+    for group, p, grad in _taken_grads(unit):
+        mine = held.get(id(p))
+        if mine is None:
+            # autograd's tensor, let go: kept without a copy where it has the dtype
+            held[id(p)] = grad.to(reduction_dtype(group, reduce_dtype))
+        else:
+            mine.add_(grad)
 
 
 def _fill(unit: Unit, group: _GradGroup, rows: torch.Tensor, held: dict[int, torch.Tensor]) -> None:
