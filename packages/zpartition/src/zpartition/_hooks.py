@@ -435,8 +435,8 @@ class State:
                 self.reducing.append((k, finish))
 
     def _deliver(self) -> Deliver:
-        """Where the shard group's reductions go: the sink, the replicas' held gradients, or
-        the shards' ``.grad``."""
+        """Where the shard group's (or node's) reductions go: node-local accumulation's held
+        gradients, the sink, the replicas' held gradients, or the shards' ``.grad``."""
         if self.node_local is not None:
             return self.node_local.hold
         if self.sink is not None:
