@@ -4,6 +4,7 @@ parameters, and the reference trainer without partitioning that it is compared w
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -168,6 +169,21 @@ def link_bytes(run: Callable[[], object]) -> dict[str, tuple[int, int]]:
     finally:
         zcomm.enable_comm_accounting(False)
     return {op: (s.intra_node_bytes, s.inter_node_bytes) for op, s in summary.items()}
+
+
+def window_bytes(
+    model: nn.Module, micro: list[torch.Tensor], require: Callable[[bool], object]
+) -> tuple[list[dict[str, tuple[int, int]]], dict[str, tuple[int, int]]]:
+    """`link_bytes` of a backward of `model` on each of `micro`, the last one after
+    ``require(True)`` (the accumulation's boundary), the others after ``require(False)``."""
+
+    def backward(tokens: torch.Tensor) -> None:
+        model(tokens).backward()
+
+    require(False)
+    inside = [link_bytes(functools.partial(backward, t)) for t in micro[:-1]]
+    require(True)
+    return inside, link_bytes(lambda: backward(micro[-1]))
 
 
 def pass_bytes(model: nn.Module, tokens: torch.Tensor) -> list[dict[str, tuple[int, int]]]:

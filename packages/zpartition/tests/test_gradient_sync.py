@@ -4,7 +4,6 @@ nothing communicated before the boundary, one reduction at it."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import pytest
@@ -20,10 +19,10 @@ from ._helpers import (
     TinyGPT,
     batches,
     hybrid_groups,
-    link_bytes,
     nodes_of,
     reference_losses,
     train_partitioned,
+    window_bytes,
 )
 
 CONFIG = ZeroParamConfig(param_persistence_threshold=48)  # biases and norms in the persistent unit
@@ -82,10 +81,7 @@ class TestTraffic(DistributedTest):
         with nodes_of(2):
             model = _seeded()
             handle = _partition(model)  # plain ZeRO-3 over both nodes
-            handle.set_requires_gradient_sync(False)
-            inside = [link_bytes(functools.partial(_backward, model, t)) for t in micro[:3]]
-            handle.set_requires_gradient_sync(True)
-            boundary = link_bytes(lambda: _backward(model, micro[3]))
+            inside, boundary = window_bytes(model, micro, handle.set_requires_gradient_sync)
         # the forward's and backward's all-gathers are ZeRO-3's own; no reduction before the end
         assert all("reduce_scatter_tensor" not in step for step in inside)
         # at the boundary one reduce-scatter of every trainable gradient (fp32, padded to the

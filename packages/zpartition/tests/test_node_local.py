@@ -4,7 +4,6 @@ plain PyTorch, the bytes per link class, DeepSpeed's reduction factors, a sink, 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -21,11 +20,11 @@ from ._helpers import (
     TinyGPT,
     batches,
     hybrid_groups,
-    link_bytes,
     nodes_of,
     rank_grads,
     reference_losses,
     train_partitioned,
+    window_bytes,
 )
 
 
@@ -78,14 +77,7 @@ class TestTraffic(DistributedTest):
         with nodes_of(2):
             model = _seeded()
             handle = zpartition.partition(model, config=_config())
-            handle.set_requires_all_reduce(False)
-
-            def backward(tokens: torch.Tensor) -> None:
-                model(tokens).backward()
-
-            inside = [link_bytes(functools.partial(backward, t)) for t in micro[:3]]
-            handle.set_requires_all_reduce(True)
-            boundary = link_bytes(lambda: backward(micro[3]))
+            inside, boundary = window_bytes(model, micro, handle.set_requires_all_reduce)
         # fp32: each rank's node chunk is 2 shards (one per node) of every trainable gradient,
         # padded as the shards are, and one presence flag per gradient group
         shards = sum(p.ds_tensor.numel() for p in model.parameters() if p.requires_grad)

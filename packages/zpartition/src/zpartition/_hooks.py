@@ -480,6 +480,8 @@ class State:
     def _queue_unsynced(self) -> None:
         """Queue the unsynced gradients of units this backward computed nothing for, in model
         order (the same on every rank)."""
+        if not self.unsynced_units:
+            return  # every backward with sync: nothing to look through
         for unit in [u for u in self.units if u in self.unsynced_units]:
             self._queue(unit)
 

@@ -95,14 +95,13 @@ class PartialGradients:
             held = self._buffer(dtype)
             if self.rows == 1:
                 mine = held[0]
-                self.all_reduce([mine])
+                zcomm.all_reduce(mine, op=self._op(), group=self.group)
             else:
                 mine = torch.empty(held.shape[1], dtype=dtype, device=self.device)
-                op = zcomm.ReduceOp.AVG if self.after is None else zcomm.ReduceOp.SUM
-                flat = held.view(-1)
-                zcomm.reduce_scatter_tensor(mine, flat, op=op, group=self.group, scratch_input=True)
-                if self.after is not None and self.after != 1.0:
-                    mine.mul_(self.after)
+                zcomm.reduce_scatter_tensor(
+                    mine, held.view(-1), op=self._op(), group=self.group, scratch_input=True
+                )
+            self._scale_after(mine)
             width = self._widths[dtype]
             present = mine[width:].tolist()  # one device sync per dtype, not one per group
             for (unit, group, offset), flag in zip(self._places[dtype], present, strict=True):
@@ -117,11 +116,17 @@ class PartialGradients:
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
         """The replicas' stage of the reduction, in place: the mean, or the sum times the
         post-factor."""
-        op = zcomm.ReduceOp.AVG if self.after is None else zcomm.ReduceOp.SUM
         for t in tensors:
-            zcomm.all_reduce(t, op=op, group=self.group)
-            if self.after is not None and self.after != 1.0:
-                t.mul_(self.after)
+            zcomm.all_reduce(t, op=self._op(), group=self.group)
+            self._scale_after(t)
+
+    def _op(self) -> dist.ReduceOp.RedOpType:
+        """The mean, or a sum the post-factor follows."""
+        return zcomm.ReduceOp.AVG if self.after is None else zcomm.ReduceOp.SUM
+
+    def _scale_after(self, t: torch.Tensor) -> None:
+        if self.after is not None and self.after != 1.0:
+            t.mul_(self.after)
 
 
 def node_split(

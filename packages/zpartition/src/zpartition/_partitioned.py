@@ -435,11 +435,10 @@ def partition(
         across, state.node_split = split
         state.node_local = PartialGradients(across, *held, rows=split[1][1])
     if config.quantized_gradients:
-        # hierarchical over the nodes for a model partitioned across a world of several;
-        # within a shard group or a node (hybrid, node-local accumulation) a flat exchange
-        world = group is None or dist.get_world_size(group) == dist.get_world_size()
-        across_nodes = world and split is None and zcomm.node_layout().nodes > 1
-        state.quantize = (config.quantized_weights_block_size, across_nodes and group is None)
+        # hierarchical over the nodes for a model partitioned across the world (group None) of
+        # several; within a shard group or a node (hybrid, node-local accumulation) flat
+        hierarchical = group is None and split is None and zcomm.node_layout().nodes > 1
+        state.quantize = (config.quantized_weights_block_size, hierarchical)
     reader = eager(state.read)  # a read through another module's attribute gathers
     for info in infos.values():
         m = info.module
