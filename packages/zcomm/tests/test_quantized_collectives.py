@@ -132,6 +132,28 @@ class TestQuantizedCollectives(DistributedTest):
             fp32 = zcomm.comm_summary()["all_gather_into_tensor"].bytes
             assert recorded == fp32 * (bits / 32 + 1 / block)
 
+        # a shard quantized already (MixZ++'s frozen weights): its codes go as they are, and
+        # every slice is exactly their dequantized values, a group of one's too; the bytes
+        # are the same as quantizing on the way
+        for bits in (8, 4):
+            stored = [zcomm.quantize(_data(r, n), bits=bits, block_size=block) for r in range(4)]
+            out = torch.full((world_size * n,), float("nan"), dtype=torch.bfloat16)
+            zcomm.reset_comm_accounting()
+            zcomm.all_gather_quantized(out, stored[rank])
+            assert zcomm.comm_bytes_by_link() == zcomm.quantized_collective_nbytes(
+                "all_gather_quantized", n, group_size=world_size, bits=bits, block_size=block
+            )
+            for r in range(world_size):
+                want = zcomm.dequantize(stored[r]).to(torch.bfloat16)
+                assert torch.equal(out[r * n : (r + 1) * n], want), (bits, r)
+        with pytest.raises(ValueError, match=r"\(bits=4\): the input is quantized with bits=8"):
+            zcomm.all_gather_quantized(
+                torch.empty(world_size * n), zcomm.quantize(_data(rank, n)), bits=4
+            )
+        with pytest.raises(ValueError, match=r"output has 3 elements, expected input\.numel"):
+            zcomm.all_gather_quantized(torch.empty(3), zcomm.quantize(_data(rank, n)))
+        zcomm.enable_comm_accounting(False)
+
         if world_size > 1:  # a non-finite value: its block arrives as NaN, nobody waits
             x = _data(rank, n)
             x[3] = float("inf") if rank == 0 else x[3]

@@ -583,7 +583,7 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
             "bf16": {"enabled": True, "bf16_optimizer_states": True},
             "zero_optimization": {
                 "stage": 3,
-                "zero_quantized_nontrainable_weights": True,
+                "zeropp_loco_param": {"err_beta": 0.8},
                 "cpu_offload": True,  # and offload_optimizer too
                 "offload_optimizer": {"device": "cpu", "ratio": 0.3},
             },
@@ -598,9 +598,8 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
         'remove the key or set it to "enabled": false; use "fp16" or "bf16"',
         "bf16.bf16_optimizer_states: DeepSpeed's bf16 optimizer states, which zengine does not "
         "implement (got True); remove the key or set it to false",
-        "zero_optimization.zero_quantized_nontrainable_weights: DeepSpeed's ZeRO++ quantized "
-        "frozen weights, which zengine does not implement (got True); remove the key or set it "
-        "to false",
+        "zero_optimization.zeropp_loco_param: DeepSpeed's ZeRO++ LoCo, which zengine does not "
+        "implement (got {'err_beta': 0.8}); remove the key or set it to null",
         "zero_optimization.offload_optimizer.ratio: DeepSpeed's partial optimizer offload, "
         "which zengine does not implement (got 0.3); remove the key or set it to 1.0",
     ]

@@ -14,6 +14,7 @@ it) and no rank is left waiting in a collective that another one abandoned.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -206,10 +207,10 @@ def _padded(chunks: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def all_gather_quantized(
     output: torch.Tensor,
-    input: torch.Tensor,
+    input: torch.Tensor | Quantized,
     *,
-    bits: int = 8,
-    block_size: int = 2048,
+    bits: int | None = None,
+    block_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Handle:
@@ -223,24 +224,77 @@ def all_gather_quantized(
     `block_size` need not divide it (each shard's last block is padded). `input` may be this
     rank's slice of `output`. With `async_op` the dequantization runs in the handle's
     ``wait()``. A group of one copies `input` exactly. The bytes are an
-    ``all_gather_into_tensor``'s (see `quantized_collective_nbytes`).
+    ``all_gather_into_tensor``'s (see `quantized_collective_nbytes`). `bits` and `block_size`
+    default to 8 and 2048.
+
+    `input` may also be a shard quantized already (a `Quantized`, as ZeRO++'s MixZ++ keeps
+    frozen weights): its codes go as they are, in its own format (`bits` and `block_size`,
+    if given, must match it), and every rank's slice of `output`, a group of one's too, is
+    exactly its dequantized values.
     """
     op = "all_gather_quantized"
+    if isinstance(input, Quantized):
+        return _all_gather_codes(output, input, bits, block_size, group, async_op)
+    bits = 8 if bits is None else bits
+    block_size = 2048 if block_size is None else block_size
     size = _check_arguments(op, ("input", input), ("output", output), bits, block_size, group)
     n = input.numel()
     if size == 1 or n == 0:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return completed(op)
+    return _gather_packed(
+        output, _quantize(input, bits, block_size, False, None), size, group, async_op
+    )
+
+
+def _all_gather_codes(
+    output: torch.Tensor,
+    q: Quantized,
+    bits: int | None,
+    block_size: int | None,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> Handle:
+    """`all_gather_quantized` of a shard quantized already."""
+    op = "all_gather_quantized"
+    for name, given, own in (("bits", bits, q.bits), ("block_size", block_size, q.block_size)):
+        if given is not None and given != own:
+            raise ValueError(f"{op}({name}={given}): the input is quantized with {name}={own}")
+    _check_flat(op, "output", output)
+    size = group_size(op, check_group(op, group))
+    if q.data.device != output.device:
+        raise ValueError(f"{op}: input is on {q.data.device}, but output is on {output.device}")
+    if output.numel() != q.numel * size:
+        raise ValueError(
+            f"{op}: output has {output.numel()} elements, expected input.numel * group size = "
+            f"{q.numel} * {size} = {q.numel * size}"
+        )
+    if size == 1 or q.numel == 0:
+        dequantize(dataclasses.replace(q, dtype=output.dtype), out=output)
+        return completed(op)
+    return _gather_packed(output, q, size, group, async_op)
+
+
+def _gather_packed(
+    output: torch.Tensor,
+    q: Quantized,
+    size: int,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> Handle:
+    """Every rank's `q` gathered and dequantized into its slice of `output`, in rank order."""
+    n, bits, block_size = q.numel, q.bits, q.block_size
     blocks = _blocks(n, block_size)
-    mine = _pack(_quantize(input, bits, block_size, False, None), 1).view(-1)
-    gathered = torch.empty(size * mine.numel(), dtype=torch.uint8, device=input.device)
+    mine = _pack(q, 1).view(-1)
+    gathered = torch.empty(size * mine.numel(), dtype=torch.uint8, device=mine.device)
 
     def dequantize_into_output() -> None:
         rows = _rows(gathered.view(size, -1), blocks, bits, block_size, n, output.dtype)
-        for r, q in enumerate(rows):
-            dequantize(q, out=output[r * n : (r + 1) * n])
+        for r, row in enumerate(rows):
+            dequantize(row, out=output[r * n : (r + 1) * n])
 
+    op = "all_gather_quantized"
     inner = all_gather_into_tensor(gathered, mine, group=group, async_op=async_op)
     return _then(op, group, inner, dequantize_into_output, async_op, keep=mine)
 

@@ -89,6 +89,16 @@ class ZeroParamConfig:
     bytes), and summed in float32. Costs: each rank's contribution is off by up to half its
     block's scale (the hierarchical second stage adds as much again), a quantization and a
     dequantization per bucket. The masters and what the optimizer accumulates stay float."""
+    quantized_nontrainable_weights: bool = False
+    """ZeRO++'s MixZ++ (DeepSpeed's ``zero_quantized_nontrainable_weights``): the units with
+    no trainable parameter (LoRA's frozen base) are quantized once, as the model is
+    partitioned, and kept as int8 codes with one float32 scale per block of
+    ``quantized_weights_block_size`` elements: about 1/4 of an fp32 shard's memory (1/2 of a
+    bf16 one's), and every gather of them sends the codes ([Note: quantized frozen weights]).
+    Costs: the frozen weights become their dequantized values, each within half its block's
+    scale of what they were, for good (a checkpoint saves those); reading or writing their
+    ``ds_tensor`` needs ``Partitioned.fetch_shards`` first. Which parameters are frozen is
+    read when the model is partitioned."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -208,8 +208,11 @@ class Init:
         zero_quantized_weights: DeepSpeed's ZeRO++ qwZ; accepted either way: the cut is the
             same, and the passes' gathers are quantized by ``partition`` with
             ``ZeroParamConfig.quantized_weights`` (zengine's ``zero_quantized_weights``).
-        zero_quantized_nontrainable_weights: DeepSpeed's MixZ++, which zpartition does not
-            have: only ``False``.
+        zero_quantized_nontrainable_weights: DeepSpeed's MixZ++; accepted either way: which
+            parameters are frozen is known once the model is built (LoRA freezes them after),
+            so ``partition`` keeps the frozen units quantized with
+            ``ZeroParamConfig.quantized_nontrainable_weights`` (zengine's
+            ``zero_quantized_nontrainable_weights``).
         sync_module_states: zstack's, not DeepSpeed's (FSDP's name for the same): ``True``
             broadcasts rank 0's freshly built values of each module before the cut, so every
             rank's shard comes from the same values, as DeepSpeed does. ``False`` skips that:
@@ -257,11 +260,6 @@ class Init:
         sync_module_states: bool = True,
         replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if zero_quantized_nontrainable_weights:
-            raise ValueError(
-                "Init(zero_quantized_nontrainable_weights=True): ZeRO++'s quantized frozen "
-                "weights are not implemented"
-            )
         self.enabled = enabled
         self.sync = sync_module_states
         if enabled and data_parallel_group is None and replicate_group is None:

@@ -266,7 +266,7 @@ class Partitioned:
         """Keep the shards of released units in `store` (see `ShardStore`); the persistent
         unit's stay in memory. Released units' shards go there now."""
         for u in self.units:
-            if u.persistent:
+            if u.persistent or u.codes is not None:  # codes: [Note: quantized frozen weights]
                 continue
             if u.store is not None and store is not u.store:
                 u.store.fetch([u.shard])
@@ -275,16 +275,17 @@ class Partitioned:
                 store.evict(u.shard)
 
     def fetch_shards(self, units: Sequence[Unit] | None = None) -> None:
-        """The shards of `units` (default: every unit) in memory, to write into them as an
-        optimizer step does."""
+        """The shards of `units` (default: every unit) in memory, to read them or write into
+        them as an optimizer step does: from their store, or their codes ([Note: quantized
+        frozen weights])."""
         fetch_shards(self.units if units is None else units)
 
     def evict_shards(self, units: Sequence[Unit] | None = None) -> None:
         """The shards of released units (of `units`, default: every unit) back to their store
-        (after `fetch_shards`)."""
+        or codes (after `fetch_shards`)."""
         for u in self.units if units is None else units:
-            if u.store is not None and u.status is ZeroParamStatus.NOT_AVAILABLE:
-                u.store.evict(u.shard)
+            if u.status is ZeroParamStatus.NOT_AVAILABLE:
+                u.put_away()
 
     @property
     def peak_live_numel(self) -> int:
@@ -401,6 +402,8 @@ def partition(
     # before anything is cut: a size that does not fit leaves the model as it was
     hpz = secondary_channel(channel_for(group), config.secondary_partition_size)
     split = node_split(group, replicate) if config.node_local_accumulation else None
+    if config.quantized_nontrainable_weights:
+        _check_frozen_finite(module)
     convert_module(
         module,
         group=group,
@@ -421,6 +424,10 @@ def partition(
         unit.replicate = replicate
     for unit in units:  # the persistent unit is never released: it needs none
         unit.hpz = None if unit.direct else hpz
+    if config.quantized_nontrainable_weights:  # [Note: quantized frozen weights]
+        for unit in units:
+            if not unit.trainable and unit.quantizable is not None:
+                unit.store_quantized(config.quantized_weights_block_size)
     coordinator = Coordinator(config, channel, units)
     state = State(module, infos, coordinator, persistent, channel)
     state.sink = gradient_sink
@@ -447,6 +454,21 @@ def partition(
     state.install()
     _guard_forward(module, state)
     return Partitioned(module, config, state)
+
+
+def _check_frozen_finite(module: nn.Module) -> None:
+    """Frozen weights to be kept as codes must be finite: no scale represents NaN or inf
+    ([Note: quantized frozen weights])."""
+    for name, p in module.named_parameters():
+        if p.requires_grad or not p.is_floating_point():
+            continue
+        values = getattr(p, "ds_tensor", p).detach()
+        bad = int((~torch.isfinite(values)).sum())
+        if bad:
+            raise ZeroParamError(
+                f"partition(quantized_nontrainable_weights=True): frozen parameter {name!r} has "
+                f"{bad} non-finite value(s) (NaN or inf), which int8 codes cannot hold"
+            )
 
 
 def _check_replicas_of_init(module: nn.Module, replicate: dist.ProcessGroup | None) -> None:

@@ -94,17 +94,16 @@ class ShardTensor(torch.Tensor):
                 f"{self._describe()}: this ds_tensor is the shard of a unit the model no longer "
                 "uses (the model was partitioned since it was read); read `param.ds_tensor` anew"
             )
-        store = unit.store
-        if store is not None:  # parameter offload to files: bring the shard in first
-            store.fetch([unit.shard])
+        # parameter offload to files, or a frozen unit kept as codes: bring the shard in first
+        unit.bring_in()
         if unit.shard.untyped_storage().nbytes() < unit.shard.numel():
             raise ZeroParamError(
                 f"{self._describe()}: its shard is offloaded (offload_states); reload it first"
             )
         with torch.no_grad():
             torch.Tensor.copy_(self, value, non_blocking=non_blocking)
-        if store is not None and unit.status is ZeroParamStatus.NOT_AVAILABLE:
-            store.evict(unit.shard)  # the store keeps what was written
+        if unit.status is ZeroParamStatus.NOT_AVAILABLE:
+            unit.put_away()  # the store, or the codes, keep what was written
         if unit.journal is not None:
             unit.journal.append(self._zp_param)
 

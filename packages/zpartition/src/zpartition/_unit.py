@@ -24,7 +24,8 @@ one rank and the shard on the compute device, the shard *is* the full data: noth
 With a secondary partition, a forward's gather keeps some of its rows, and the backward gathers
 them within a node instead of the rows of every rank: [Note: secondary partition]
 (`_secondary.py`). With quantized weights, a pass's gathers send int8 codes instead of the
-shards: [Note: quantized weights].
+shards: [Note: quantized weights]; a frozen unit may keep its shard as int8 codes, and every
+gather of it sends those: [Note: quantized frozen weights] (`_stored_codes.py`).
 
 [Note: quantized weights]
 ZeRO++'s qwZ (DeepSpeed's ``zero_quantized_weights``, ``ZeroParamConfig.quantized_weights``):
@@ -68,11 +69,13 @@ import torch.distributed as dist
 
 import zcomm
 from zpartition._channel import Channel, Kind
+from zpartition._errors import ZeroParamError
 from zpartition._param import ZeroParameter
 from zpartition._shard import ShardTensor, make_shard, retire
 from zpartition._status import ZeroParamStatus
 from zpartition._stepped import watch
 from zpartition._store import ShardStore
+from zpartition._stored_codes import StoredCodes, joined
 
 __all__ = ["GradKey", "Unit", "fetch_shards", "issue_gathers"]
 
@@ -184,8 +187,12 @@ class _Secondary(NamedTuple):
 
 
 def fetch_shards(units: Sequence[Unit]) -> None:
-    """Bring back the shards of `units` that a `ShardStore` keeps (one store per model)."""
-    stored = [u for u in units if u.store is not None]
+    """Bring back the shards of `units` that a `ShardStore` keeps (one store per model), or
+    that are kept as codes ([Note: quantized frozen weights])."""
+    for u in units:
+        if u.codes is not None:
+            u.codes.bring_in(u.shard)
+    stored = [u for u in units if u.store is not None and u.codes is None]
     if stored:
         store = stored[0].store
         assert store is not None
@@ -215,22 +222,26 @@ def issue_gathers(
     `secondary`: gather the units' secondary shards within their secondary group instead
     ([Note: secondary partition]). `quantize`: for a pass, the units of one floating dtype
     go quantized in blocks of this many elements, a gather per dtype ([Note: quantized
-    weights]); None: every shard goes as it is (or narrowed)."""
-    if not secondary:
-        fetch_shards(units)  # offloaded shards come back first (secondaries need none)
-    # batches by how they go: None exact (or narrowed), a dtype quantized in that dtype
-    batches: dict[torch.dtype | None, tuple[list[tuple[Unit, bool]], int]] = {}
+    weights]); None: every shard goes as it is (or narrowed). Units kept as codes send them,
+    whatever the call ([Note: quantized frozen weights])."""
+    if not secondary:  # offloaded shards come back first (secondaries and codes need none)
+        fetch_shards([u for u in units if u.codes is None])
+    # batches by how they go: None exact (or narrowed); (quantized, a dtype) in that dtype,
+    # quantized now or (False) kept as codes
+    batches: dict[_How, tuple[list[tuple[Unit, bool]], int]] = {}
     for u in units:
         u.channel.count_live(0 if u.persistent else u.numel)
         if u.direct:
             u._show()
             continue
-        how: torch.dtype | None = None
+        how: _How = None
         if secondary:
             assert u.secondary is not None
             wire = u.secondary.wire
+        elif u.codes is not None:
+            how, wire = (False, u.codes.dtype), False  # its codes go
         elif quantize is not None and u.quantizable is not None:
-            how, wire = u.quantizable, False  # the shard goes, quantized
+            how, wire = (True, u.quantizable), False  # the shard goes, quantized
         else:
             wire = narrow and u.wire_bytes is not None  # else the shard goes as it is
         nbytes = u.channel.size * u.row_bytes(wire)  # the same from either group
@@ -245,9 +256,15 @@ def issue_gathers(
             _gather_together(batch, keep=keep, secondary=secondary, quantize=_block(how, quantize))
 
 
-def _block(how: torch.dtype | None, quantize: int | None) -> int | None:
-    """The block size a batch of `issue_gathers` goes quantized in (None: it goes exact)."""
-    return None if how is None else quantize
+_How = tuple[bool, torch.dtype] | None
+"""How a batch of `issue_gathers` goes: None as it is; (True, dtype) quantized now, (False,
+dtype) as the codes its units keep."""
+
+
+def _block(how: _How, quantize: int | None) -> int | None:
+    """The block size a batch of `issue_gathers` goes quantized in now (None: it goes exact,
+    or as stored codes)."""
+    return quantize if how is not None and how[0] else None
 
 
 def _gather_together(
@@ -260,34 +277,46 @@ def _gather_together(
     """One all-gather of the shards (or, with the flag, the narrow wire copies) of `units`,
     laid side by side, left in flight; with `secondary`, of their secondary shards within
     their secondary group; with `quantize`, of their shards (all of `units`' one quantizable
-    dtype) quantized in blocks of that many elements and dequantized on arrival."""
+    dtype) quantized in blocks of that many elements and dequantized on arrival; units kept
+    as codes (all or none of `units`) send them ([Note: quantized frozen weights])."""
     first = units[0][0]
     channel, device = (first.hpz if secondary else first.channel), first.device
     assert channel is not None
-    sources = [
-        u.secondary.rows
-        if secondary and u.secondary is not None
-        else (u.wire() if wire else u.shard)
-        for u, wire in units
-    ]
-    sources = [t if t.device == device else t.to(device) for t in sources]
-    source = sources[0] if len(sources) == 1 else torch.cat(sources)
     handle: zcomm.Handle
-    if quantize is None:
-        gathered = source.new_empty(channel.size * source.numel())
-        handle = zcomm.all_gather_into_tensor(gathered, source, group=channel.group, async_op=True)
-    else:  # the same rows of bytes, of dequantized values: [Note: quantized weights]
-        dtype = first.quantizable
-        assert dtype is not None
-        assert not secondary
-        values = source.view(dtype)  # the shards read, never written
-        full = values.new_empty(channel.size * values.numel())
-        handle = zcomm.all_gather_quantized(
-            full, values, bits=8, block_size=quantize, group=channel.group, async_op=True
-        )
+    if first.codes is not None and not secondary:  # rows of their dequantized values
+        stored = [u.codes for u, _ in units if u.codes is not None]
+        codes = joined(stored, device)
+        full = torch.empty(channel.size * codes.numel, dtype=codes.dtype, device=device)
+        handle = zcomm.all_gather_quantized(full, codes, group=channel.group, async_op=True)
         gathered = full.view(torch.uint8)
+        sizes = [s.codes.numel * s.dtype.itemsize for s in stored]
+    else:
+        sources = [
+            u.secondary.rows
+            if secondary and u.secondary is not None
+            else (u.wire() if wire else u.shard)
+            for u, wire in units
+        ]
+        sources = [t if t.device == device else t.to(device) for t in sources]
+        source = sources[0] if len(sources) == 1 else torch.cat(sources)
+        sizes = [t.numel() for t in sources]
+        if quantize is None:
+            gathered = source.new_empty(channel.size * source.numel())
+            handle = zcomm.all_gather_into_tensor(
+                gathered, source, group=channel.group, async_op=True
+            )
+        else:  # the same rows of bytes, of dequantized values: [Note: quantized weights]
+            dtype = first.quantizable
+            assert dtype is not None
+            assert not secondary
+            values = source.view(dtype)  # the shards read, never written
+            full = values.new_empty(channel.size * values.numel())
+            handle = zcomm.all_gather_quantized(
+                full, values, bits=8, block_size=quantize, group=channel.group, async_op=True
+            )
+            gathered = full.view(torch.uint8)
     gather, start = _Gather(handle, gathered, channel.size), 0
-    for (u, wire), part in zip(units, sources, strict=True):
+    for (u, wire), size in zip(units, sizes, strict=True):
         # the shards' version now: what the secondary shard will be a copy of
         version = u.shard._version if keep and u.hpz is not None else None
         if secondary:
@@ -296,7 +325,7 @@ def _gather_together(
         else:
             inexact = wire or quantize is not None
         u._pending = _Pending(gather, start, wire, version, secondary, inexact)
-        start += part.numel()
+        start += size
         u.status = _INFLIGHT
         for p in u.params:
             p.ds_status = _INFLIGHT
@@ -334,6 +363,8 @@ class Unit:
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self._gathered_version = -1  # the shards' version at the last refresh
         self.store: ShardStore | None = None  # where the shard waits while released, if away
+        # the shard kept as int8 codes instead: [Note: quantized frozen weights]
+        self.codes: StoredCodes | None = None
         # the ranks holding the same chunks in the other shard groups: GatheredParameters'
         # changes are made equal across them too ([Note: hybrid sharding]); None: no replicas
         self.replicate: dist.ProcessGroup | None = None
@@ -569,8 +600,31 @@ class Unit:
         self.status = _NOT_AVAILABLE
         self.inexact = False
         self._gathered_version = -1  # a persistent unit released must be gathered again
-        if self.store is not None:
+        self.put_away()
+
+    def bring_in(self) -> None:
+        """The shard in memory, from its store or codes (`fetch_shards` of this unit)."""
+        fetch_shards([self])
+
+    def put_away(self) -> None:
+        """The shard back to its store, or to codes (a no-op for a shard kept in memory):
+        after `fetch_shards`, or as the unit is released."""
+        if self.codes is not None:
+            self.codes.put_away(self.shard, self.name)
+        elif self.store is not None:
             self.store.evict(self.shard)
+
+    def store_quantized(self, block_size: int) -> None:
+        """Keep the shard as int8 codes from now on: [Note: quantized frozen weights]."""
+        dtype = self.quantizable
+        if dtype is None or self.trainable or self.persistent or self.store is not None:
+            raise ZeroParamError(
+                f"quantized_nontrainable_weights: {self.name!r} is not a frozen unit of one "
+                "floating dtype kept in memory across several ranks"
+            )
+        self.codes = StoredCodes(self.shard, dtype, block_size, self.name)
+        if self.status is _NOT_AVAILABLE:
+            self.put_away()
 
     def refresh(self) -> None:
         """Gather again if the shards changed since the last gather (an optimizer stepped);

@@ -43,6 +43,11 @@ def hybrid_groups(cfg: EngineConfig, group: dist.ProcessGroup | None) -> HybridG
             zero.zero_quantized_gradients,
             "qgZ quantizes stage 3's reductions",
         ),
+        (
+            "zero_quantized_nontrainable_weights",
+            zero.zero_quantized_nontrainable_weights,
+            "MixZ++ keeps stage 3's frozen shards quantized",
+        ),
     ):
         if on and cfg.zero_stage != 3:
             stage = cfg.zero_stage

@@ -169,9 +169,8 @@ def _copy_shard(mapped: MappedFile, entry: Entry, param: zpartition.ZeroParamete
 
 
 def _copy_all(plan: _Plan, units: list[zpartition.Unit], loud: bool) -> None:
-    stored = [u for u in units if u.store is not None]
-    for u in stored:  # offload_param to NVMe: shards must be in memory to be written
-        u.store.fetch([u.shard])  # type: ignore[union-attr]
+    for u in units:  # on NVMe, or kept as codes: shards must be in memory to be written
+        u.bring_in()
     files = list(dict.fromkeys(entry.path for entry, _ in plan.copies))
     mapped: MappedFile | None = None
     try:
@@ -186,9 +185,9 @@ def _copy_all(plan: _Plan, units: list[zpartition.Unit], loud: bool) -> None:
     finally:
         if mapped is not None:
             mapped.close()
-    for u in stored:
+    for u in units:
         if u.status is zpartition.ZeroParamStatus.NOT_AVAILABLE:
-            u.store.evict(u.shard)  # type: ignore[union-attr]
+            u.put_away()
 
 
 def _next_file(mapped: MappedFile | None, path: Path, files: list[Path], loud: bool) -> MappedFile:

@@ -33,6 +33,7 @@ from zengine._checkpoint._state import (
     apply_optimizer_objects,
     apply_rng,
     engine_state,
+    frozen_shards_in_memory,
     model_entries,
     optimizer_destinations,
     optimizer_entries,
@@ -142,12 +143,13 @@ def _write(
     save_latest: bool,
     exclude_frozen: bool,
 ) -> None:
-    state: dict[str, Any] = {**model_entries(engine, exclude_frozen), **optimizer_entries(engine)}
-    state[ENGINE] = engine_state(engine)
-    state[rank_key(sync.rank, "rng")] = rng_state()
-    state[rank_key(sync.rank, "client_state")] = dict(client_state or {})
     where = f"save_checkpoint to {final}"
-    save_sharded(state, partial, sync, what=where)
+    with frozen_shards_in_memory(engine):
+        state = {**model_entries(engine, exclude_frozen), **optimizer_entries(engine)}
+        state[ENGINE] = engine_state(engine)
+        state[rank_key(sync.rank, "rng")] = rng_state()
+        state[rank_key(sync.rank, "client_state")] = dict(client_state or {})
+        save_sharded(state, partial, sync, what=where)
     log.info("zengine: shards written; checksumming")
     mine = {
         f.name: dict(zip(("crc32", "bytes"), files.checksum(f), strict=True), rank=sync.rank)
@@ -300,18 +302,19 @@ def read_entries(
     checkpoint has masters of, which an engine without an optimizer reads its weights from."""
     reader = FileSystemReader(directory)
     metadata = reader.read_metadata()
-    entries: dict[str, Any] = dict(model_entries(engine, saved_masters=saved_masters))
-    if optimizer:  # creates the state the optimizer has not made yet, as the checkpoint has it
-        entries.update(optimizer_destinations(engine, metadata))
-    dest = entries if keep is None else {k: v for k, v in entries.items() if keep(k)}
-    for key in extras:
-        dest[key] = entries.get(key)
     error = None
-    try:  # each rank reads its own pieces: no collective (see _dcp.py)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)
-    except CheckpointException as exc:
-        error = _failures(exc)
+    with frozen_shards_in_memory(engine):  # frozen shards kept as codes or on NVMe
+        entries: dict[str, Any] = dict(model_entries(engine, saved_masters=saved_masters))
+        if optimizer:  # creates the state the optimizer has not made yet, as the file has it
+            entries.update(optimizer_destinations(engine, metadata))
+        dest = entries if keep is None else {k: v for k, v in entries.items() if keep(k)}
+        for key in extras:
+            dest[key] = entries.get(key)
+        try:  # each rank reads its own pieces: no collective (see _dcp.py)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single ..."
+                warnings.simplefilter("ignore", UserWarning)
+                dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)
+        except CheckpointException as exc:
+            error = _failures(exc)
     sync.agree(f"load_checkpoint({str(directory)!r}): reading", error, CorruptCheckpointError)
     return dest

@@ -16,6 +16,7 @@ of this rank's own tensors, so DCP reads straight into them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import random
 from collections.abc import Collection, Iterator
@@ -39,6 +40,7 @@ __all__ = [
     "apply_engine_state",
     "apply_rng",
     "engine_state",
+    "frozen_shards_in_memory",
     "model_entries",
     "optimizer_entries",
     "optimizer_of",
@@ -86,6 +88,29 @@ def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def _valid(numel: int, param_offset: int, size: int) -> int:
     """Elements of a piece inside the parameter: a ZeRO-3 shard's padding lies beyond it."""
     return max(0, min(numel, size - param_offset))
+
+
+@contextlib.contextmanager
+def frozen_shards_in_memory(engine: Engine) -> Iterator[None]:
+    """The ZeRO-3 shards of frozen parameters in memory while a checkpoint reads or writes
+    them, put away after: a shard kept as int8 codes (``zero_quantized_nontrainable_weights``)
+    is dequantized into its storage, and quantized again after a load only if its values
+    changed; one offloaded to NVMe is read back, and rewritten if written."""
+    handle = engine.partitioned
+    if handle is None:
+        yield
+        return
+    units = {
+        id(p.ds_unit): p.ds_unit
+        for p in engine.module.parameters()
+        if not p.requires_grad and hasattr(p, "ds_unit")
+    }
+    frozen = list(units.values())
+    handle.fetch_shards(frozen)
+    try:
+        yield
+    finally:
+        handle.evict_shards(frozen)
 
 
 def model_entries(

@@ -212,6 +212,7 @@ class EngineConfig(_Sections):
             node_local_accumulation=zero.node_local_accumulation,
             quantized_weights=zero.zero_quantized_weights,
             quantized_gradients=zero.zero_quantized_gradients,
+            quantized_nontrainable_weights=zero.zero_quantized_nontrainable_weights,
         )
 
 

@@ -458,6 +458,13 @@ class ZeroConfig(Section):
     scale per block of 2048 elements through an all-to-all (about 1/4 of fp32's bytes),
     hierarchically over several nodes (within the node, then across with 1/L of the bytes),
     and summed in fp32; each rank's contribution is within half a block's scale."""
+    zero_quantized_nontrainable_weights: Flag = False
+    """Stage 3, ZeRO++'s MixZ++: modules with no trainable parameter (LoRA's frozen base) are
+    quantized once, at ``initialize``, and kept as int8 with a float32 scale per block of 2048
+    elements: about 1/4 of their fp32 memory (1/2 of bf16's), and every all-gather of them
+    sends those codes. The frozen weights become the dequantized values for good, each within
+    half a block's scale of what was loaded, and checkpoints save those; which parameters are
+    frozen is read at ``initialize``."""
     node_local_accumulation: Flag = False
     """Stage 3 across several nodes (zstack's key): each micro-batch's gradients are
     reduce-scattered within the node only and held, 1/L of the full gradient per rank (nodes

@@ -105,6 +105,9 @@ def _lp_params(engine: Engine) -> list[torch.Tensor]:
         return list(engine.optimizer.layout.flats)
     tensors = []
     for unit in engine.partitioned.units:
+        if unit.codes is not None:  # a frozen unit's shard kept as int8 codes (MixZ++)
+            tensors += [unit.codes.codes.data, unit.codes.codes.scales]
+            continue
         tensors.append(unit.shard)
         if unit.persistent and unit.full is not unit.shard:
             tensors.append(unit.full)
