@@ -23,10 +23,13 @@ class TestAccounting(DistributedTest):
         zcomm.all_gather_into_tensor(
             torch.empty(8 * world_size), torch.ones(8), async_op=True
         ).wait()
+        zcomm.all_to_all_single(torch.empty(4 * world_size), torch.ones(4 * world_size))
         summary = zcomm.comm_summary()
         if world_size == 1:
             assert summary == {}  # the fast path sends nothing, so there is nothing to count
             return
+        exchanged = summary["all_to_all_single"]  # as nccl-tests' alltoall: (n - 1) / n
+        assert exchanged.busbw == pytest.approx(exchanged.algbw * (world_size - 1) / world_size)
         assert summary["all_reduce"].count == 3
         assert summary["all_reduce"].bytes == 3 * 256 * 4
         assert summary["all_reduce"].seconds > 0
@@ -37,7 +40,7 @@ class TestAccounting(DistributedTest):
         # one node (the harness's launcher variables): every byte within it
         assert summary["all_reduce"].intra_node_bytes == 3 * 256 * 4
         assert summary["all_reduce"].inter_node_bytes == 0
-        total = 3 * 256 * 4 + 8 * world_size * 4
+        total = 3 * 256 * 4 + 8 * world_size * 4 + 4 * world_size * 4
         assert zcomm.comm_bytes_by_link() == {"intra_node": total, "inter_node": 0}
         table = zcomm.log_summary(show=False)
         assert table.splitlines()[0].startswith("| op | count | total MB")

@@ -31,6 +31,7 @@ _BUS_FACTORS = {
     "all_gather": lambda n: (n - 1) / n,
     "all_gather_into_tensor": lambda n: (n - 1) / n,
     "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,  # qgZ's exchange: each rank keeps 1/n
 }
 
 
