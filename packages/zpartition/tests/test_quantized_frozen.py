@@ -162,6 +162,27 @@ class TestCodes(DistributedTest):
         per_rank = zcomm.quantized_nbytes(2080, bits=8, block_size=block)  # 2080 + 16 bytes
         assert codes - headers == 3 * world * per_rank
 
+    def test_a_unit_smaller_than_a_block_is_one_block_of_its_size(self) -> None:
+        # Linear(8, 8): each rank's shard is 32 + 4 fp32 elements (144 bytes), far below the
+        # default block of 2048: its codes and the gathers of qwZ and MixZ++ carry 36 bytes
+        # and one scale, not a block's 2048
+        world, per_rank = 2, zcomm.quantized_nbytes(36, bits=8, block_size=36)
+
+        def forward_bytes(frozen: bool = False, **flags: Any) -> int:
+            model = nn.Linear(8, 8).requires_grad_(not frozen)
+            config = ZeroParamConfig(param_persistence_threshold=0, **flags)
+            handle = zpartition.partition(model, config=config)
+            (unit,) = handle.units
+            if unit.codes is not None:
+                assert unit.codes.nbytes == per_rank
+            sent = link_bytes(lambda: model(torch.randn(2, 8)))
+            handle.remove(gather=False)
+            return sent["all_gather_into_tensor"][0] - HEADER * world
+
+        assert forward_bytes() == world * 144
+        assert forward_bytes(quantized_weights=True) == world * per_rank
+        assert forward_bytes(True, quantized_nontrainable_weights=True) == world * per_rank
+
     def test_writes_to_a_frozen_shard_are_kept(self) -> None:
         model = _lora_like()
         handle = zpartition.partition(

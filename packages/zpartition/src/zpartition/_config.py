@@ -78,8 +78,8 @@ class ZeroParamConfig:
     quantized_weights_block_size: int = 2048
     """Elements per quantization block (one float32 scale each) with ``quantized_weights``, at
     least 1: smaller blocks follow the weights' range more closely (a smaller error) and send
-    more scales (4 bytes per block); a gather's last block is padded, so a gather of fewer
-    elements than a block still sends a whole block of codes."""
+    more scales (4 bytes per block); a gather (or a reduce-scatter's chunk) of fewer elements
+    than a block goes as one block of its own size."""
     quantized_gradients: bool = False
     """ZeRO++'s qgZ (DeepSpeed's ``zero_quantized_gradients``): each gradient bucket is
     reduce-scattered as int8 codes with one float32 scale per block of

@@ -90,7 +90,8 @@ class GatheredParameters:
         )
         replicate = unit.replicate  # replica 0's modifier's values: [Note: hybrid sharding]
         first = dist.get_global_rank(replicate, 0) if replicate is not None else -1
-        for u in {id(p.ds_unit): p.ds_unit for p in self.params}.values():
+        units = {id(p.ds_unit): p.ds_unit for p in self.params if p.ds_unit is not None}
+        for u in units.values():
             u.bring_in()  # kept as codes ([Note: quantized frozen weights]): put away at release
         for p in self.params:
             full = p.data.reshape(-1)

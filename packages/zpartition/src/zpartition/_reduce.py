@@ -176,7 +176,7 @@ class GradBucket:
             handle = zcomm.reduce_scatter_quantized(
                 mine,
                 flat,
-                block_size=block,
+                block_size=max(1, min(block, mine.numel())),  # a small chunk: one block, no padding
                 op=op,
                 group=group,
                 hierarchical=hierarchical,

@@ -4,7 +4,8 @@
 DeepSpeed's ``zero_quantized_nontrainable_weights`` (``ZeroParamConfig.
 quantized_nontrainable_weights``): a unit none of whose parameters is trainable (LoRA's base
 model) is quantized once, when the model is partitioned, into int8 codes with one float32 scale
-per block of ``quantized_weights_block_size`` elements, and from then on the codes are what
+per block of ``quantized_weights_block_size`` elements (a smaller shard: one block of its
+size), and from then on the codes are what
 the unit holds: about 1/4 of an fp32 shard's memory (1/2 of a bf16 one's), and every gather of
 it, a pass's or an exact reader's, sends them as they are (`zcomm.all_gather_quantized` of a
 `zcomm.Quantized`) and dequantizes them into the full buffer. The frozen weights *are* the
@@ -46,7 +47,9 @@ class StoredCodes:
 
     def __init__(self, shard: torch.Tensor, dtype: torch.dtype, block_size: int, name: str) -> None:
         self.dtype = dtype
-        self.block_size = block_size
+        # a shard smaller than a block is one block of its own size: no padding to store or
+        # send (units of one size, a model's repeated layers, still go in one gather)
+        self.block_size = max(1, min(block_size, shard.numel() // dtype.itemsize))
         self.codes = self._encode(shard, name)
         self.version = shard._version  # the shard's version the codes hold
 

@@ -45,14 +45,15 @@ its whole shard viewed in that dtype (the alignment padding between chunks holds
 cost nothing but their codes); a unit mixing dtypes, or holding a parameter of another dtype,
 is gathered as before (exact, or through its wire copy). Quantizing takes precedence over
 ``comm_dtype``'s narrowing: an fp32 unit autocast computes in bf16 sends int8 codes, a quarter
-of its bytes rather than a half, dequantized into fp32. Units of the same dtype in one batch
-go in one quantized all-gather of their shards side by side, so the blocks run across units
-and a unit's values depend on which units it was gathered with (DeepSpeed's coalesced qwZ
-gather does the same): its backward may compute with weights a rounding apart from its
-forward's when the batches differ; units of another dtype, and those falling back, go in
-gathers of their own. Persistent units are gathered exactly (`refresh`, once per optimizer
-step: small by the persistence threshold, read in place), and so are units on one rank
-(`direct`: nothing goes).
+of its bytes rather than a half, dequantized into fp32. A gather of fewer elements than a block
+is one block of its own size: nothing is padded, so a small unit sends a byte per element too.
+Units of the same dtype in one batch go in one quantized all-gather of their shards side by
+side, so the blocks run across units and a unit's values depend on which units it was gathered
+with (DeepSpeed's coalesced qwZ gather does the same): its backward may compute with weights a
+rounding apart from its forward's when the batches differ; units of another dtype, and those
+falling back, go in gathers of their own. Persistent units are gathered exactly (`refresh`,
+once per optimizer step: small by the persistence threshold, read in place), and so are units
+on one rank (`direct`: nothing goes).
 A secondary shard ([Note: secondary partition]) keeps the rows a quantized forward gathered,
 dequantized, and the backward gathers those exactly within the node: the backward computes
 with the forward's weights, as with narrow gathers.
@@ -226,7 +227,7 @@ def issue_gathers(
     whatever the call ([Note: quantized frozen weights])."""
     if not secondary:  # offloaded shards come back first (secondaries and codes need none)
         fetch_shards([u for u in units if u.codes is None])
-    # batches by how they go: None exact (or narrowed); (quantized, a dtype) in that dtype,
+    # batches by how they go: None exact (or narrowed); (quantized, a dtype, a block size),
     # quantized now or (False) kept as codes
     batches: dict[_How, tuple[list[tuple[Unit, bool]], int]] = {}
     for u in units:
@@ -238,10 +239,10 @@ def issue_gathers(
         if secondary:
             assert u.secondary is not None
             wire = u.secondary.wire
-        elif u.codes is not None:
-            how, wire = (False, u.codes.dtype), False  # its codes go
+        elif u.codes is not None:  # its codes go, with those of its dtype and block size
+            how, wire = (False, u.codes.dtype, u.codes.codes.block_size), False
         elif quantize is not None and u.quantizable is not None:
-            how, wire = (True, u.quantizable), False  # the shard goes, quantized
+            how, wire = (True, u.quantizable, quantize), False  # the shard goes, quantized
         else:
             wire = narrow and u.wire_bytes is not None  # else the shard goes as it is
         nbytes = u.channel.size * u.row_bytes(wire)  # the same from either group
@@ -256,9 +257,9 @@ def issue_gathers(
             _gather_together(batch, keep=keep, secondary=secondary, quantize=_block(how, quantize))
 
 
-_How = tuple[bool, torch.dtype] | None
-"""How a batch of `issue_gathers` goes: None as it is; (True, dtype) quantized now, (False,
-dtype) as the codes its units keep."""
+_How = tuple[bool, torch.dtype, int] | None
+"""How a batch of `issue_gathers` goes: None as it is; (True, dtype, block size) quantized
+now, (False, dtype, block size) as the codes its units keep."""
 
 
 def _block(how: _How, quantize: int | None) -> int | None:
@@ -311,8 +312,9 @@ def _gather_together(
             assert not secondary
             values = source.view(dtype)  # the shards read, never written
             full = values.new_empty(channel.size * values.numel())
+            block = max(1, min(quantize, values.numel()))  # a small gather: one block, no padding
             handle = zcomm.all_gather_quantized(
-                full, values, bits=8, block_size=quantize, group=channel.group, async_op=True
+                full, values, bits=8, block_size=block, group=channel.group, async_op=True
             )
             gathered = full.view(torch.uint8)
     gather, start = _Gather(handle, gathered, channel.size), 0
