@@ -3,14 +3,17 @@
 Each package is installed from its own metadata into a fresh virtual environment that holds only
 that package and what it declares, so an undeclared import fails here as it would for a user.
 Torch is installed first from a pin (constraints.txt, or $ZSTACK_TORCH on GPU machines): an
-unpinned `torch` would download the newest CUDA build, gigabytes.
+unpinned `torch` would download the newest CUDA build, gigabytes. It is installed once, into a
+folder under .nox/ that every session's venv reads through a .pth file (`_torch`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import nox
@@ -69,14 +72,32 @@ def _needs_torch(packages: list[str]) -> bool:
     return any("torch" in _declared(p) for p in packages)
 
 
+def _torch(session: nox.Session) -> None:
+    """Torch from the pin, for this session's venv. Installing it is about 25 s, seven times in
+    CI's run of about 15 minutes, so pip installs it (with what it needs) once into a folder
+    under .nox/, keyed by the pin and the Python version, and each venv reads that folder
+    through a .pth file; pip then finds torch installed. Only torch and its own requirements
+    are shared: each package and its dependencies still go into the session's venv alone. The
+    folder's modules are compiled once, on first import, for every later session."""
+    spec = shlex.split(os.environ.get("ZSTACK_TORCH", "")) or ["-c", CONSTRAINTS, "torch"]
+    where = "import sys, sysconfig; print(sysconfig.get_paths()['purelib']); print(sys.version)"
+    output = session.run("python", "-c", where, silent=True)
+    assert isinstance(output, str)
+    purelib, version = output.strip().splitlines()[:2]
+    key = hashlib.sha256("\n".join([*spec, version]).encode()).hexdigest()[:12]
+    shared = ROOT / ".nox" / f"_torch-{key}"
+    if not (shared / "INSTALLED").exists():  # a folder an interrupted run left goes first
+        shutil.rmtree(shared, ignore_errors=True)
+        _pip_install(session, "--target", str(shared), *spec)
+        (shared / "INSTALLED").touch()
+    Path(purelib, "zstack_torch.pth").write_text(f"{shared}\n")
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # the shared modules compiled once
+
+
 def _install(session: nox.Session, packages: list[str], *extra: str) -> None:
     """Torch from the pin first (if any package needs it), then the packages from their paths."""
     if _needs_torch(packages):
-        torch_spec = os.environ.get("ZSTACK_TORCH")
-        if torch_spec:
-            _pip_install(session, *shlex.split(torch_spec))
-        else:
-            _pip_install(session, "-c", CONSTRAINTS, "torch")
+        _torch(session)
     paths = [str(ROOT / "packages" / p) for p in packages]
     _pip_install(session, "-c", CONSTRAINTS, *paths, *extra)
 
@@ -121,11 +142,11 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package, its tests, the benchmarks and the examples."""
+    _torch(session)
     _pip_install(
         session,
         "-c",
         CONSTRAINTS,
-        "torch",
         "mypy>=1.10",
         "nox",
         "pydantic>=2.6",
@@ -174,7 +195,9 @@ def demo(session: nox.Session) -> None:
     # NumPy only quiets torch's "Failed to initialize NumPy" warning at every rank's start
     _install(session, _closure("zengine"), "numpy")
     session.run(
-        "torchrun",
+        "python",  # torchrun's module: its script lies in the shared torch folder (`_torch`)
+        "-m",
+        "torch.distributed.run",
         "--nproc-per-node=2",
         str(ROOT / "examples" / "train_gpt.py"),
         *session.posargs,
