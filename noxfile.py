@@ -27,6 +27,7 @@ COMPAT = "deepspeed-compat"
 HF_LIBRARIES = ["transformers", "accelerate", "peft", "safetensors"]
 CONSTRAINTS = str(ROOT / "constraints.txt")
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+BUILD_BACKEND = "hatchling>=1.21"  # every package's [build-system] requires
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.default_venv_backend = "virtualenv"
@@ -99,7 +100,10 @@ def _install(session: nox.Session, packages: list[str], *extra: str) -> None:
     if _needs_torch(packages):
         _torch(session)
     paths = [str(ROOT / "packages" / p) for p in packages]
-    _pip_install(session, "-c", CONSTRAINTS, *paths, *extra)
+    # hatchling, installed once, builds every package: an isolated build would install it into
+    # a fresh environment for each one (about 2 s a package, some 15 builds in CI's run)
+    _pip_install(session, BUILD_BACKEND)
+    _pip_install(session, "--no-build-isolation", "-c", CONSTRAINTS, *paths, *extra)
 
 
 @nox.session

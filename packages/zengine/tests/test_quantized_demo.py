@@ -1,8 +1,9 @@
 """ZeRO++'s quantized communication on the demo's GPT (examples/train_gpt.py) for 200 optimizer
 steps: the loss where it ends within 1% of the unquantized run's from the same seed and data,
-with qwZ, qgZ and MixZ++ all together (measured: 0.2% apart at 4 sequences a rank a step, 0.05%
-at the demo's 8; at 2 the curves are noisier and wander 9% apart at step 200, both still
-falling). bench/bench_quantized.py draws the curves."""
+with qwZ, qgZ and MixZ++ all together (measured: 0.1% apart at 4 sequences of 32 bytes a rank a
+step, 0.2% at 4 of the demo's 64, 0.05% at the demo's 8 of 64; at 2 the curves are noisier and
+wander 9% apart at step 200, both still falling). bench/bench_quantized.py draws the curves at
+the demo's own size."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import zengine
 from zcomm.testing import DistributedTest
 
 DEMO = Path(__file__).resolve().parents[3] / "examples" / "train_gpt.py"
-STEPS, MICRO = 200, 4  # four sequences a rank a step: the demo's curve at a CI's cost
+# four sequences a rank a step, of the demo's first 32 bytes: the demo's curve at a CI's cost
+STEPS, MICRO, SEQ = 200, 4, 32
 ALL = {  # qwZ, qgZ and MixZ++: each alone is tested on TinyGPT (test_quantized*.py)
     "zero_quantized_weights": True,
     "zero_quantized_gradients": True,
@@ -35,8 +37,8 @@ def _demo() -> Any:
 
 
 def _curve(demo: Any, **zero: bool) -> list[float]:
-    """The demo's training, STEPS steps of MICRO sequences a rank, the position embedding
-    frozen (a frozen module for MixZ++): the mean loss over the ranks at each step."""
+    """The demo's training, STEPS steps of MICRO sequences of SEQ bytes a rank, the position
+    embedding frozen (a frozen module for MixZ++): the mean loss over the ranks at each step."""
     config = demo.ds_config(3, bf16=False)
     config |= {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1}
     config["steps_per_print"] = 10 * STEPS
@@ -49,7 +51,7 @@ def _curve(demo: Any, **zero: bool) -> list[float]:
     data = demo.batches(None, 0, zcomm.get_rank(), engine.device)
     curve = torch.zeros(STEPS)
     for step in range(STEPS):
-        tokens, targets = (t[:MICRO] for t in next(data))
+        tokens, targets = (t[:MICRO, :SEQ] for t in next(data))
         loss = engine(tokens, targets)
         engine.backward(loss)
         engine.step()
