@@ -208,3 +208,11 @@ def rank_grads(model: nn.Module, data: list[torch.Tensor]) -> dict[str, torch.Te
                 assert p.grad is not None
                 found[n] = found.get(n, torch.zeros_like(p)) + p.grad
     return found
+
+
+def same_on_every_rank(t: torch.Tensor) -> bool:
+    """Whether every rank holds exactly `t` (NaN-free tensors)."""
+    high, low = t.clone(), t.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return torch.equal(high, low) and torch.equal(high, t)

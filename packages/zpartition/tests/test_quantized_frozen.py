@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zcomm
@@ -18,7 +17,15 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig, ZeroParamError
 
-from ._helpers import TinyGPT, batches, link_bytes, nodes_of, reference_losses, train_partitioned
+from ._helpers import (
+    TinyGPT,
+    batches,
+    link_bytes,
+    nodes_of,
+    reference_losses,
+    same_on_every_rank,
+    train_partitioned,
+)
 
 HEADER = 64  # bytes of one rank's agreement header ([Note: agreement])
 BLOCK = 64
@@ -45,13 +52,6 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     with zpartition.GatheredParameters(list(params.values())):
         return {name: p.detach().clone() for name, p in params.items()}
-
-
-def _same_on_every_rank(t: torch.Tensor) -> bool:
-    high, low = t.clone(), t.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    return torch.equal(high, low) and torch.equal(high, t)
 
 
 class TestTraining(DistributedTest):
@@ -83,7 +83,7 @@ class TestTraining(DistributedTest):
         values = _full(model)
         handle.fetch_shards()  # a shard read: the codes' values, this rank's slice of them
         for name, p in model.named_parameters():
-            assert _same_on_every_rank(values[name])
+            assert same_on_every_rank(values[name])
             original = built.get_parameter(name).detach()
             if p.requires_grad:
                 assert torch.equal(values[name], original), name
@@ -203,7 +203,7 @@ class TestCodes(DistributedTest):
         weight.ds_tensor.copy_(_mine(weight, new))
         assert unit.codes.codes is not codes
         after = _full(model)["blocks.0.up.weight"]
-        assert _same_on_every_rank(after)
+        assert same_on_every_rank(after)
         assert not torch.equal(after, before)
         assert (after - new).abs().max() <= 1 / 127  # half a scale of absmax 1, with room
 
@@ -212,7 +212,7 @@ class TestCodes(DistributedTest):
             weight.mul_(-2)
         assert unit.shard.untyped_storage().nbytes() == 0
         modified = _full(model)["blocks.0.up.weight"]
-        assert _same_on_every_rank(modified)
+        assert same_on_every_rank(modified)
         assert (modified + 2 * after).abs().max() <= 2 / 127
         handle.remove(gather=False)
 

@@ -17,7 +17,15 @@ import zpartition
 from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig
 
-from ._helpers import TinyGPT, batches, link_bytes, nodes_of, reference_losses, train_partitioned
+from ._helpers import (
+    TinyGPT,
+    batches,
+    link_bytes,
+    nodes_of,
+    reference_losses,
+    same_on_every_rank,
+    train_partitioned,
+)
 
 HEADER = 64  # bytes of one rank's agreement header ([Note: agreement])
 # biases and norms persistent (gathered exactly); the rest released after each use, so the
@@ -43,13 +51,6 @@ def _exact(p: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(p.ds_tensor) for _ in range(zcomm.get_world_size())]
     dist.all_gather(parts, p.ds_tensor.detach().contiguous())
     return torch.cat(parts)[: p.ds_numel].view(p.ds_shape)
-
-
-def _same_on_every_rank(t: torch.Tensor) -> bool:
-    high, low = t.clone(), t.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    return torch.equal(high, low) and torch.equal(high, t)
 
 
 class TestTraining(DistributedTest):
@@ -138,7 +139,7 @@ class TestGathers(DistributedTest):
         for unit in released:
             values, inexact = seen[unit.name]
             for v in values:
-                assert _same_on_every_rank(v)  # every rank computes with the same weights
+                assert same_on_every_rank(v)  # every rank computes with the same weights
             if unit is mixed:  # the exact gather
                 assert not inexact
                 for p, v in zip(unit.params, values, strict=True):
