@@ -79,7 +79,8 @@ def _torch(session: nox.Session) -> None:
     under .nox/, keyed by the pin and the Python version, and each venv reads that folder
     through a .pth file; pip then finds torch installed. Only torch and its own requirements
     are shared: each package and its dependencies still go into the session's venv alone. The
-    folder's modules are compiled once, on first import, for every later session."""
+    folder's modules are compiled once, on first import (`_pip_install` lets Python write
+    bytecode), for every later session."""
     spec = shlex.split(os.environ.get("ZSTACK_TORCH", "")) or ["-c", CONSTRAINTS, "torch"]
     where = "import sys, sysconfig; print(sysconfig.get_paths()['purelib']); print(sys.version)"
     output = session.run("python", "-c", where, silent=True)
@@ -92,7 +93,6 @@ def _torch(session: nox.Session) -> None:
         _pip_install(session, "--target", str(shared), *spec)
         (shared / "INSTALLED").touch()
     Path(purelib, "zstack_torch.pth").write_text(f"{shared}\n")
-    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # the shared modules compiled once
 
 
 def _install(session: nox.Session, packages: list[str], *extra: str) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 HIDDEN, VOCAB, SEQ = 16, 32, 6
+HEADER = 64  # bytes of one rank's agreement header ([Note: agreement])
 
 
 class Block(nn.Module):

@@ -18,6 +18,7 @@ from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig, ZeroParamError
 
 from ._helpers import (
+    HEADER,
     TinyGPT,
     batches,
     link_bytes,
@@ -27,7 +28,6 @@ from ._helpers import (
     train_partitioned,
 )
 
-HEADER = 64  # bytes of one rank's agreement header ([Note: agreement])
 BLOCK = 64
 BASE: dict[str, Any] = {
     "param_persistence_threshold": 48,  # norms and the bias persistent

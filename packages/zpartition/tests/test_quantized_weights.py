@@ -18,6 +18,7 @@ from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig
 
 from ._helpers import (
+    HEADER,
     TinyGPT,
     batches,
     link_bytes,
@@ -27,7 +28,6 @@ from ._helpers import (
     train_partitioned,
 )
 
-HEADER = 64  # bytes of one rank's agreement header ([Note: agreement])
 # biases and norms persistent (gathered exactly); the rest released after each use, so the
 # backward gathers every unit again; a prefetch bucket of two units at most (batched gathers)
 BASE: dict[str, Any] = {

@@ -15,6 +15,7 @@ from zcomm.testing import DistributedTest
 from zpartition import ZeroParamConfig, ZeroParamError
 
 from ._helpers import (
+    HEADER,
     TinyGPT,
     batches,
     groups,
@@ -24,8 +25,6 @@ from ._helpers import (
     reference_losses,
     train_partitioned,
 )
-
-HEADER = 64  # bytes of one rank's agreement header ([Note: agreement])
 
 
 def _config(secondary: int, prefetch: int = 1600) -> ZeroParamConfig:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import zcomm
 from zpartition._channel import Channel, Kind
 from zpartition._param import ZeroParameter
+from zpartition._stored_codes import quantization_block
 from zpartition._unit import Unit, _GradGroup
 
 __all__ = [
@@ -176,7 +177,7 @@ class GradBucket:
             handle = zcomm.reduce_scatter_quantized(
                 mine,
                 flat,
-                block_size=max(1, min(block, mine.numel())),  # a small chunk: one block, no padding
+                block_size=quantization_block(block, mine.numel()),  # a small chunk: one block
                 op=op,
                 group=group,
                 hierarchical=hierarchical,

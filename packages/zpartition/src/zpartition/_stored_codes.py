@@ -36,38 +36,31 @@ import torch
 import zcomm
 from zpartition._errors import ZeroParamError
 
-__all__ = ["StoredCodes", "joined"]
+__all__ = ["StoredCodes", "joined", "quantization_block"]
+
+
+def quantization_block(block_size: int, numel: int) -> int:
+    """The block size `numel` elements are quantized in: `block_size`, or one block of them
+    all when they are fewer, so that nothing is padded to a whole block."""
+    return max(1, min(block_size, numel))
 
 
 class StoredCodes:
     """A unit's shard (`shard`'s bytes viewed as `dtype`) as int8 codes, padded to whole
     blocks; the shard's storage is freed while it is away."""
 
-    __slots__ = ("block_size", "codes", "dtype", "version")
+    __slots__ = ("codes", "version")
 
     def __init__(self, shard: torch.Tensor, dtype: torch.dtype, block_size: int, name: str) -> None:
-        self.dtype = dtype
-        # a shard smaller than a block is one block of its own size: no padding to store or
-        # send (units of one size, a model's repeated layers, still go in one gather)
-        self.block_size = max(1, min(block_size, shard.numel() // dtype.itemsize))
-        self.codes = self._encode(shard, name)
+        # a shard smaller than a block is one block of its own size (units of one size, a
+        # model's repeated layers, still go in one gather)
+        block = quantization_block(block_size, shard.numel() // dtype.itemsize)
+        self.codes = _encode(shard, dtype, block, name)
         self.version = shard._version  # the shard's version the codes hold
 
-    def _encode(self, shard: torch.Tensor, name: str) -> zcomm.Quantized:
-        values = shard.view(self.dtype)
-        pad = -values.numel() % self.block_size  # whole blocks: units' codes go side by side
-        try:
-            q = zcomm.quantize(
-                torch.nn.functional.pad(values, (0, pad)), bits=8, block_size=self.block_size
-            )
-        except zcomm.QuantizationError as error:
-            raise ZeroParamError(
-                f"quantized_nontrainable_weights: the frozen parameters of {name!r} cannot be "
-                f"stored quantized: {error}"
-            ) from None
-        if shard.is_pinned():  # pinned host shards copy to the device asynchronously
-            q = dataclasses.replace(q, data=q.data.pin_memory(), scales=q.scales.pin_memory())
-        return q
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.codes.dtype
 
     @property
     def nbytes(self) -> int:
@@ -92,16 +85,36 @@ class StoredCodes:
         if shard._version != self.version:
             values = shard.view(self.dtype)
             if not torch.equal(values, self._decoded(values.numel())):
-                self.codes = self._encode(shard, name)
+                self.codes = _encode(shard, self.dtype, self.codes.block_size, name)
         storage.resize_(0)
 
     def _decoded(self, numel: int) -> torch.Tensor:
         return zcomm.dequantize(self.codes)[:numel]
 
 
+def _encode(shard: torch.Tensor, dtype: torch.dtype, block: int, name: str) -> zcomm.Quantized:
+    """`shard`'s bytes viewed as `dtype`, quantized in blocks of `block` elements, padded to
+    whole blocks: units' codes go side by side."""
+    values = shard.view(dtype)
+    try:
+        q = zcomm.quantize(
+            torch.nn.functional.pad(values, (0, -values.numel() % block)), bits=8, block_size=block
+        )
+    except zcomm.QuantizationError as error:
+        raise ZeroParamError(
+            f"quantized_nontrainable_weights: the frozen parameters of {name!r} cannot be "
+            f"stored quantized: {error}"
+        ) from None
+    if shard.is_pinned():  # pinned host shards copy to the device asynchronously
+        q = dataclasses.replace(q, data=q.data.pin_memory(), scales=q.scales.pin_memory())
+    return q
+
+
 def joined(stored: Sequence[StoredCodes], device: torch.device) -> zcomm.Quantized:
     """Several units' codes (of one dtype and block size) as one, on `device`: one gather."""
     first = stored[0].codes
+    if len(stored) == 1 and first.data.device == device:
+        return first  # read, never written: no copy
     parts = [s.codes for s in stored]
     data, scales = (
         torch.cat([t.to(device, non_blocking=True) for t in tensors])

@@ -76,7 +76,7 @@ from zpartition._shard import ShardTensor, make_shard, retire
 from zpartition._status import ZeroParamStatus
 from zpartition._stepped import watch
 from zpartition._store import ShardStore
-from zpartition._stored_codes import StoredCodes, joined
+from zpartition._stored_codes import StoredCodes, joined, quantization_block
 
 __all__ = ["GradKey", "Unit", "fetch_shards", "issue_gathers"]
 
@@ -312,7 +312,7 @@ def _gather_together(
             assert not secondary
             values = source.view(dtype)  # the shards read, never written
             full = values.new_empty(channel.size * values.numel())
-            block = max(1, min(quantize, values.numel()))  # a small gather: one block, no padding
+            block = quantization_block(quantize, values.numel())  # a small gather: one block
             handle = zcomm.all_gather_quantized(
                 full, values, bits=8, block_size=block, group=channel.group, async_op=True
             )
