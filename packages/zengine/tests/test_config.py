@@ -178,6 +178,7 @@ def test_zero_param_config_maps_stage3_keys() -> None:
             stage3_max_reuse_distance=15,
             stage3_module_granularity_threshold=16,
             reduce_bucket_size=17,
+            module_group_size=18,
         ),
         world_size=1,
     )
@@ -189,6 +190,7 @@ def test_zero_param_config_maps_stage3_keys() -> None:
         max_reuse_distance=15,
         module_granularity_threshold=16,
         reduce_bucket_size=17,
+        module_group_size=18,
     )
 
 

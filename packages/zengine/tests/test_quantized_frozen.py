@@ -59,8 +59,12 @@ class TestQuantizedFrozenWeights(DistributedTest):
         plain = _initialize(copy.deepcopy(built), _config())
         assert engine.partitioned is not None
         frozen = [u for u in engine.partitioned.units if u.codes is not None]
-        assert sorted(u.name for u in frozen) == sorted(
-            f"blocks.{i}.{m}" for i in range(2) for m in ("up", "down")
+        # a unit per block (module groups), its frozen parameters (up, down) one of their own
+        assert sorted(u.name for u in frozen) == ["blocks.0", "blocks.1"]
+        assert sorted(p.ds_name for u in frozen for p in u.params) == sorted(
+            name  # down's bias is small enough to stay gathered (persistent)
+            for i in range(2)
+            for name in (f"blocks.{i}.up.weight", f"blocks.{i}.up.bias", f"blocks.{i}.down.weight")
         )
 
         # the frozen weights are their dequantized values from now on; the rest exact

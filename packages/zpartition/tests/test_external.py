@@ -19,7 +19,9 @@ from zpartition import ZeroParamConfig, ZeroParamStatus
 from ._helpers import externals
 
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
-CONFIG = ZeroParamConfig(param_persistence_threshold=1)  # the seed's: almost nothing persists
+# the seed's: almost nothing persists, and a unit per module (DeepSpeed's), whose external
+# parameters these tests inspect
+CONFIG = ZeroParamConfig(param_persistence_threshold=1, module_group_size=0)
 
 
 def _status(param: Any) -> ZeroParamStatus:

@@ -30,6 +30,7 @@ from ._helpers import (
 
 BLOCK = 64
 BASE: dict[str, Any] = {
+    "module_group_size": 0,  # a unit per module: the units below are named by their module
     "param_persistence_threshold": 48,  # norms and the bias persistent
     "max_reuse_distance": 0,  # released after each use: the backward gathers again
     "prefetch_bucket_size": 1600,

@@ -31,6 +31,7 @@ from ._helpers import (
 # biases and norms persistent (gathered exactly); the rest released after each use, so the
 # backward gathers every unit again; a prefetch bucket of two units at most (batched gathers)
 BASE: dict[str, Any] = {
+    "module_group_size": 0,  # a unit per module: the units below are named by their module
     "param_persistence_threshold": 48,
     "max_reuse_distance": 0,
     "prefetch_bucket_size": 1600,

@@ -36,6 +36,7 @@ def _config(secondary: int, prefetch: int = 1600) -> ZeroParamConfig:
         max_reuse_distance=0,
         prefetch_bucket_size=prefetch,
         secondary_partition_size=secondary,
+        module_group_size=0,  # a unit per module: the units below are named by their module
     )
 
 

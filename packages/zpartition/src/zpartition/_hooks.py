@@ -1,8 +1,9 @@
 """The hooks: gather before a module runs forward or backward, release after, reduce gradients.
 
 [Note: hooks]
-Only modules with partitioned parameters somewhere below them get hooks; a leaf module gets
-them and its children none. Per module and pass:
+Only modules with partitioned parameters somewhere below them get hooks; a leaf module or a
+group of small modules ([Note: module groups]) gets them and its children none. Per module
+and pass:
 - forward pre-hook: push the module on the stack, fetch its units (own and external);
 - forward hook: pop; adopt parameters returned in the output (they become external parameters
   of the module that consumes them); when grad is on, put a pre-hook on the ``grad_fn`` of each
@@ -74,7 +75,10 @@ class ModuleInfo:
     module: nn.Module
     mid: int  # the module's id as a user of units
     name: str  # qualified name in the model, for messages
-    own: Unit | None  # the unit of its own parameters (of its subtree when a leaf)
+    own: tuple[Unit, ...]  # the units of its own parameters (of its subtree when a leaf)
+    # the modules whose parameters and external parameters it fetches: itself, and its
+    # subtree when a leaf or a group ([Note: module groups])
+    members: tuple[nn.Module, ...]
     units: tuple[Unit, ...] = ()  # own plus the units of its external parameters
     backward_pass: int = -1  # the pass in which its backward last fetched
     pre_backward: Callable[..., None] = _not_installed  # its grad_fn pre-hook, made once
@@ -193,10 +197,10 @@ class State:
                     self.handles.append(handle)
 
     def _install_module(self, info: ModuleInfo) -> None:
-        module = info.module
         info.pre_backward = eager(self._pre_backward(info))
         self._hook_forward(info)
-        module.__dict__["_zp_on_externals_changed"] = lambda: self._externals_changed(info)
+        for member in info.members:
+            member.__dict__["_zp_on_externals_changed"] = lambda: self._externals_changed(info)
         self.refresh_units(info)
 
     def _hook_forward(self, info: ModuleInfo, *, first: bool = False) -> None:
@@ -231,11 +235,12 @@ class State:
 
     def refresh_units(self, info: ModuleInfo) -> None:
         """Recompute the units a module fetches after its external parameters changed."""
-        units = [info.own] if info.own is not None else []
-        for p in info.module.__dict__.get("_external_params", {}).values():
-            unit = p.ds_unit
-            if unit is not None and not unit.persistent and unit not in units:
-                units.append(unit)
+        units = list(info.own)
+        for member in info.members:
+            for p in member.__dict__.get("_external_params", {}).values():
+                unit = p.ds_unit
+                if unit is not None and not unit.persistent and unit not in units:
+                    units.append(unit)
         info.units = tuple(units)
 
     # -- forward ---------------------------------------------------------------------------
@@ -516,11 +521,15 @@ class State:
     # -- errors ----------------------------------------------------------------------------
 
     def diagnose(self, error: Exception) -> ZeroParamError | None:
-        """Name the unavailable parameter behind an error raised inside a forward."""
+        """Name the unavailable parameter behind an error raised inside a forward. Only the
+        errors torch raises computing with an empty parameter (RuntimeError, IndexError) are
+        looked at: an assertion or a user's own error is not about parameters."""
         if not self.stack:
             return None
         info = self.stack[-1]
         self.stack.clear()
+        if not isinstance(error, (RuntimeError, IndexError)):
+            return None
         rank = dist.get_rank() if dist.is_initialized() else 0
         for name, p in info.module.named_parameters():
             p = zero_params([p])[0]

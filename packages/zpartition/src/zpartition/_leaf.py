@@ -26,6 +26,7 @@ from torch import nn
 
 __all__ = [
     "get_z3_leaf_modules",
+    "is_container",
     "leaf_modules_by_granularity",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
@@ -49,6 +50,11 @@ _CONTAINERS: tuple[type[nn.Module], ...] = tuple(
 )
 
 _ModuleClasses = Sequence[type[nn.Module] | str]
+
+
+def is_container(module: nn.Module) -> bool:
+    """Whether `module` is one of torch's containers (its forward may never run)."""
+    return isinstance(module, _CONTAINERS)
 
 
 def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
@@ -257,7 +263,7 @@ def _measure(
         child_layers, child_params = _measure(child, numel, out)
         layers += child_layers
         params += child_params
-    if isinstance(module, _CONTAINERS):
+    if is_container(module):
         return layers, params
     layers += 1
     if params <= _MAX_LEAF_NUMEL:

@@ -22,6 +22,7 @@ from zpartition._gathered import GatheredParameters
 from zpartition._hooks import ModuleInfo, State, eager
 from zpartition._hybrid import replicas_for
 from zpartition._leaf import leaf_modules_by_granularity, z3_leaf_module
+from zpartition._module_groups import module_groups
 from zpartition._param import (
     ZeroParameter,
     convert_parameter,
@@ -124,14 +125,16 @@ def _persistent(module: nn.Module, config: ZeroParamConfig) -> set[int]:
     return chosen
 
 
-def _walk(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, bool]]:
-    """(name, module, is_leaf) in pre-order, not entering leaf modules."""
-    leaf = z3_leaf_module(module)
-    yield prefix, module, leaf
-    if leaf:
+def _walk(
+    module: nn.Module, groups: set[nn.Module], prefix: str = ""
+) -> Iterator[tuple[str, nn.Module, bool]]:
+    """(name, module, gathered whole) in pre-order, not entering leaf modules and groups."""
+    whole = module in groups or z3_leaf_module(module)
+    yield prefix, module, whole
+    if whole:
         return
     for name, child in module.named_children():
-        yield from _walk(child, f"{prefix}.{name}" if prefix else name)
+        yield from _walk(child, groups, f"{prefix}.{name}" if prefix else name)
 
 
 class Partitioned:
@@ -418,7 +421,7 @@ def partition(
     persistent_ids = _persistent(module, config)
     for name, p in module.named_parameters():
         p.ds_name = name  # type: ignore[attr-defined]
-    infos, units = _build_units(module, channel, persistent_ids)
+    infos, units = _build_units(module, channel, persistent_ids, config)
     persistent = _persistent_unit(module, channel, persistent_ids)
     for unit in [*units, *([persistent] if persistent is not None else [])]:
         unit.replicate = replicate
@@ -448,9 +451,9 @@ def partition(
         state.quantize = (config.quantized_weights_block_size, hierarchical)
     reader = eager(state.read)  # a read through another module's attribute gathers
     for info in infos.values():
-        m = info.module
-        if not isinstance(m._parameters, ParamDict):
-            m._parameters = ParamDict(m._parameters, info, state.stack, reader)
+        for m in info.members:  # a group's or leaf's modules too: [Note: module groups]
+            if not isinstance(m._parameters, ParamDict):
+                m._parameters = ParamDict(m._parameters, info, state.stack, reader)
     state.install()
     _guard_forward(module, state)
     return Partitioned(module, config, state)
@@ -489,35 +492,47 @@ def _device_of(params: list[ZeroParameter]) -> torch.device:
 
 
 def _build_units(
-    module: nn.Module, channel: Any, persistent_ids: set[int]
+    module: nn.Module, channel: Any, persistent_ids: set[int], config: ZeroParamConfig
 ) -> tuple[dict[nn.Module, ModuleInfo], list[Unit]]:
     owned: dict[int, Unit] = {}
     infos: dict[nn.Module, ModuleInfo] = {}
     units: list[Unit] = []
     needs_hooks = _subtrees_with_partitioned(module, persistent_ids)
-    for name, m, leaf in _walk(module):
+    limit = min(config.module_group_size, config.max_live_parameters // 2)
+    groups = module_groups(module, limit, persistent_ids)
+    for name, m, whole in _walk(module, groups):
         if m not in needs_hooks and m is not module:  # the root begins every pass
             continue
-        params = partitioned(m.parameters(recurse=leaf))
+        params = partitioned(m.parameters(recurse=whole))
         mine = [p for p in params if p.ds_id not in owned and p.ds_id not in persistent_ids]
         mine = list({p.ds_id: p for p in mine}.values())
-        unit = None
-        mid = next_module_id()
-        if mine:
+        own: list[Unit] = []
+        # a leaf's or group's frozen parameters apart, to be kept as codes ([Note: module
+        # groups]); a unit per module is one or the other already
+        split = whole and config.quantized_nontrainable_weights
+        for part in _by_trainable(mine) if split else [mine] if mine else []:
             unit = new_unit(
-                channel.next_unit_id(), name or "<root>", mine, channel, _device_of(mine)
+                channel.next_unit_id(), name or "<root>", part, channel, _device_of(part)
             )
             units.append(unit)
-            for p in mine:
+            own.append(unit)
+            for p in part:
                 owned[p.ds_id] = unit
-                if leaf:
+                if whole and m not in groups:
                     p.ds_z3_leaf_module = m
         externals = m.__dict__.setdefault("_external_params", {})
         for p in params:
-            if p.ds_id in owned and owned[p.ds_id] is not unit:
+            if p.ds_id in owned and owned[p.ds_id] not in own:
                 externals[p.ds_id] = p  # tied: another module's unit holds it
-        infos[m] = ModuleInfo(m, mid, name, unit)
+        members = tuple(m.modules()) if whole else (m,)
+        infos[m] = ModuleInfo(m, next_module_id(), name, tuple(own), members)
     return infos, units
+
+
+def _by_trainable(params: list[ZeroParameter]) -> list[list[ZeroParameter]]:
+    """`params` as the trainable ones and the frozen ones (each list only if not empty)."""
+    parts = [[p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]]
+    return [part for part in parts if part]
 
 
 def _subtrees_with_partitioned(module: nn.Module, persistent_ids: set[int]) -> set[nn.Module]:

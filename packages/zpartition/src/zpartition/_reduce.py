@@ -48,7 +48,9 @@ __all__ = [
 
 GradientSink = Callable[[Sequence[ZeroParameter], Sequence[torch.Tensor]], None]
 """Takes reduced gradients instead of ``ds_tensor.grad``: parameters, and for each its averaged
-shard gradient (1-D, ``ds_tensor.numel()`` elements, valid only during the call)."""
+shard gradient (1-D, ``ds_tensor.numel()`` elements, valid only during the call). A unit's
+gradient group is handed over as one tuple of parameters, the same object every time, which a
+sink may key what it looks up on."""
 
 Deliver = Callable[[Unit, _GradGroup, torch.Tensor], None]
 """Where a gradient group's reduced shard gradient (one flat tensor, in the reduction's dtype,
@@ -67,10 +69,7 @@ def to_sink(sink: GradientSink) -> Deliver:
     """Hand a group's reduced gradient to `sink`, one view per parameter."""
 
     def deliver(unit: Unit, group: _GradGroup, reduced: torch.Tensor) -> None:
-        sink(
-            [unit.params[i] for i in group.indices],
-            [reduced[off : off + chunk] for off, chunk in group.columns],
-        )
+        sink(group.params, [reduced[off : off + chunk] for off, chunk in group.columns])
 
     return deliver
 
@@ -88,16 +87,28 @@ def _taken_grads(unit: Unit) -> Iterator[tuple[_GradGroup, ZeroParameter, torch.
 
 
 def keep_local(unit: Unit, sink: GradientSink | None = None) -> None:
-    """One rank: move each full gradient into ``ds_tensor.grad`` (a view, no copy)."""
-    for _, p, grad in _taken_grads(unit):
-        if sink is not None:
-            sink([p], [grad.view(-1)])
-            continue
-        shard = p.ds_tensor
-        if shard.grad is None:
-            shard.grad = grad.view(-1)
-        else:
-            shard.grad.add_(grad.view(-1))
+    """One rank: move each full gradient into ``ds_tensor.grad`` (a view, no copy), or hand
+    each gradient group's to `sink` at once."""
+    if sink is None:
+        for _, p, grad in _taken_grads(unit):
+            shard = p.ds_tensor
+            if shard.grad is None:
+                shard.grad = grad.view(-1)
+            else:
+                shard.grad.add_(grad.view(-1))
+        return
+    for group in unit.grad_groups:
+        params = group.params
+        taken = [(p, p.grad) for p in params]
+        grads = [grad.view(-1) for _, grad in taken if grad is not None]
+        for p in params:
+            p.grad = None
+        if len(grads) == len(params):
+            sink(params, grads)
+        else:  # some got no gradient: the others one by one
+            for p, got in taken:
+                if got is not None:
+                    sink([p], [got.view(-1)])
 
 
 class GradBucket:
@@ -217,23 +228,32 @@ def hold(unit: Unit, held: dict[int, torch.Tensor], reduce_dtype: torch.dtype | 
 
 def _fill(unit: Unit, group: _GradGroup, rows: torch.Tensor, held: dict[int, torch.Tensor]) -> None:
     """Write each full gradient, with what is `held` for it, padded, into its column block of
-    `rows` (rank-major)."""
-    for i, (off, chunk) in zip(group.indices, group.columns, strict=True):
-        p = unit.params[i]
-        grad, earlier = p.grad, held.pop(id(p), None)
-        if earlier is not None:
-            grad = earlier if grad is None else earlier.add_(grad)
+    `rows` (rank-major). The common case, a gradient filling its W rows exactly, is one view
+    of it per parameter and one copy for all."""
+    dsts, srcs = [], []
+    ranks = rows.shape[0]
+    for p, (off, chunk), (whole, rest) in zip(group.params, group.columns, group.rows, strict=True):
+        grad = p.grad
+        if held:  # backward passes without gradient sync held some ([Note: gradient sync])
+            earlier = held.pop(id(p), None)
+            if earlier is not None:
+                grad = earlier if grad is None else earlier.add_(grad)
         block = rows[:, off : off + chunk]
         if grad is None:
             block.zero_()  # an unused parameter contributes zeros, on every rank alike
             continue
         p.grad = None
-        flat, (whole, rest) = grad.reshape(-1), divmod(int(p.ds_numel), chunk)
+        if whole == ranks:
+            dsts.append(block)
+            srcs.append(grad.reshape(whole, chunk))
+            continue
+        flat = grad.reshape(-1)
         block[:whole].copy_(flat[: whole * chunk].view(whole, chunk))
-        if whole < block.shape[0]:
-            block[whole:].zero_()  # the padding of the last rank's chunk
-            if rest:
-                block[whole, :rest].copy_(flat[whole * chunk :])
+        block[whole:].zero_()  # the padding of the last rank's chunk
+        if rest:
+            block[whole, :rest].copy_(flat[whole * chunk :])
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def accumulate(unit: Unit, group: _GradGroup, mine: torch.Tensor, *, adopt: bool = False) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import operator
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -160,9 +161,17 @@ def check_bound(bound: Iterable[tuple[dict[str, Any], ShardTensor]]) -> None:
     """Every parameter's ``ds_tensor`` (read from its ``__dict__``) is still its unit's shard:
     one identity test each. A tensor on the shard's own memory (``p.ds_tensor =
     p.ds_tensor.view(-1)``) is taken back; anything else raises."""
-    for attributes, shard in bound:
+    pairs = bound if isinstance(bound, list) else list(bound)
+    now = map(_DS_TENSOR, map(_FIRST, pairs))
+    if all(map(operator.is_, now, map(_SECOND, pairs))):
+        return  # the hot path, once a pass: compared in C, no call per parameter
+    for attributes, shard in pairs:
         if attributes.get("ds_tensor") is not shard:
             _rebound(attributes, shard)
+
+
+_DS_TENSOR = operator.methodcaller("get", "ds_tensor")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def _rebound(attributes: dict[str, Any], shard: ShardTensor) -> None:

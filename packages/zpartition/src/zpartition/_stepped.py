@@ -34,8 +34,12 @@ def watch(shard: torch.Tensor) -> None:
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     stepped: list[torch.Tensor] = []
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            ref = _shards.get(id(p))
+        params = group["params"]
+        # looked up in C: an optimizer over zengine's fp32 masters steps no shard at all
+        found = list(map(_shards.get, map(id, params)))
+        if not any(found):
+            continue
+        for p, ref in zip(params, found, strict=True):
             shard = ref() if ref is not None else None
             if shard is not None and shard is p:
                 stepped.append(shard)

@@ -123,15 +123,23 @@ class _GradGroup:
     """The unit's trainable parameters of one dtype and one ``comm_dtype``, reduce-scattered
     together."""
 
-    __slots__ = ("columns", "comm", "dtype", "indices", "shard_grad", "width")
+    __slots__ = ("columns", "comm", "dtype", "indices", "params", "rows", "shard_grad", "width")
 
-    def __init__(self, key: GradKey, indices: list[int], chunks: list[int]) -> None:
+    def __init__(
+        self, key: GradKey, indices: list[int], chunks: list[int], params: list[ZeroParameter]
+    ) -> None:
         self.dtype, self.comm = key
         self.indices = indices
+        # its parameters, one tuple for the unit's life (a gradient sink may key on it)
+        self.params = tuple(params[i] for i in indices)
         self.columns: list[tuple[int, int]] = []  # (offset, chunk) in the rank-major rows
+        # each parameter's full rows of chunks, and the elements in its part-filled row after
+        # them (the rest of that row, and any rows below, are padding)
+        self.rows: list[tuple[int, int]] = []
         self.width = 0
         for i in indices:
             self.columns.append((self.width, chunks[i]))
+            self.rows.append(divmod(int(params[i].ds_numel), chunks[i]))  # chunks are >= 1
             self.width += chunks[i]
         self.shard_grad: torch.Tensor | None = None  # this rank's gradients, one flat tensor
 
@@ -334,7 +342,7 @@ def _gather_together(
 
 
 class Unit:
-    """The parameters of one module (or a leaf module's subtree) and their storage."""
+    """The parameters of one module (or of a leaf's or a group's subtree) and their storage."""
 
     def __init__(
         self,
@@ -391,7 +399,7 @@ class Unit:
         self.trainable = len(trainable)
         keys = {i: (self.params[i].dtype, comm_dtype(self.params[i])) for i in trainable}
         self.grad_groups = [
-            _GradGroup(k, [i for i in trainable if keys[i] == k], self.chunks)
+            _GradGroup(k, [i for i in trainable if keys[i] == k], self.chunks, self.params)
             for k in sorted(set(keys.values()), key=str)
         ]
         for p in self.params:

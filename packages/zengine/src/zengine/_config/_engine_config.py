@@ -207,6 +207,7 @@ class EngineConfig(_Sections):
             reduce_bucket_size=zero.reduce_bucket_size,
             overlap_comm=zero.overlap_comm,
             module_granularity_threshold=zero.stage3_module_granularity_threshold,
+            module_group_size=zero.module_group_size,
             reduce_dtype=self.communication_dtype,
             secondary_partition_size=zero.zero_hpz_partition_size,
             node_local_accumulation=zero.node_local_accumulation,

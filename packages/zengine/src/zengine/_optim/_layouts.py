@@ -41,6 +41,11 @@ from zpartition import ZeroParameter
 __all__ = ["FlatLayout", "ShardedLayout"]
 
 
+_SinkTarget = tuple[
+    Sequence[nn.Parameter], "list[int] | None", list[torch.Tensor], "torch.device | None"
+]
+"""What a gradient group's parameters add into: see `ShardedLayout._sink_target`."""
+
 ALIGNMENT = 2
 """Elements each rank's partition of a group starts on (stages 1 and 2): 4 bytes of a 16-bit
 dtype, so that NCCL's all-gather reads aligned buffers, as DeepSpeed aligns them (its
@@ -368,6 +373,8 @@ class ShardedLayout:
             pieces, master_device, sizes, grad_dtype, shards=self._masters_of(pieces)
         )
         self._grads = {id(p): self.partitions.grad_of(p) for p in every}
+        # by id of a gradient group's parameters: what `sink` adds them into
+        self._sink_targets: dict[int, _SinkTarget] = {}
         self._shards = [p.ds_tensor for p in every]
         self._masters = [self.partitions.master_of(p) for p in every]
         # id(param) -> (its shard, its master): a tile's write-back looks up only its own
@@ -431,11 +438,34 @@ class ShardedLayout:
         return found
 
     def sink(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
-        """zpartition's gradient sink: accumulate reduced shard gradients in fp32."""
-        for p, grad in zip(params, grads, strict=True):
-            mine = self._grads.get(id(p))
-            if mine is not None:  # frozen parameters have no master
-                _add_into(mine, grad)
+        """zpartition's gradient sink: accumulate reduced shard gradients in fp32. What a
+        group's parameters add into is looked up once per group (zpartition hands a group over
+        as the same tuple each time), and added with one foreach call when the gradients lie
+        on the masters' device (foreach promotes a narrower dtype as ``add_`` does)."""
+        found = self._sink_targets.get(id(params))
+        if found is None or found[0] is not params:
+            found = self._sink_target(params)
+            if isinstance(params, tuple):  # a list may be a new one each call: not kept
+                self._sink_targets[id(params)] = found
+        _, picked, masters, device = found
+        chosen = grads if picked is None else [grads[i] for i in picked]
+        if not chosen:
+            return
+        if device is not None and chosen[0].device == device:
+            torch._foreach_add_(masters, list(chosen))
+            return
+        for mine, grad in zip(masters, chosen, strict=True):
+            _add_into(mine, grad)
+
+    def _sink_target(self, params: Sequence[nn.Parameter]) -> _SinkTarget:
+        """(`params`, the indices of those with a master (None: all), their masters, and the
+        masters' device when they share one)."""
+        found = [self._grads.get(id(p)) for p in params]
+        picked = [i for i, mine in enumerate(found) if mine is not None]  # frozen: no master
+        masters = [mine for mine in found if mine is not None]
+        devices = {m.device for m in masters}
+        device = devices.pop() if len(devices) == 1 else None
+        return params, None if len(picked) == len(params) else picked, masters, device
 
     def before_backward(self, boundary: bool) -> None:
         if self.model is not None:
