@@ -22,7 +22,9 @@ from ._helpers import Block, TinyGPT, batches, reference_losses, train_partition
 SIZES = pytest.mark.parametrize("world_size", [1, 2, 4])
 LR = 0.1
 CONFIGS = {
-    "per-module": ZeroParamConfig(param_persistence_threshold=0),
+    # every parameter partitioned: TinyGPT's blocks are one unit each (module groups)
+    "threshold-0": ZeroParamConfig(param_persistence_threshold=0),
+    "unit-per-module": ZeroParamConfig(param_persistence_threshold=0, module_group_size=0),
     "no-reuse": ZeroParamConfig(param_persistence_threshold=0, max_reuse_distance=0),
     "small-prefetch": ZeroParamConfig(
         param_persistence_threshold=0, prefetch_bucket_size=600, max_live_parameters=2000
@@ -99,7 +101,10 @@ class TestParity(DistributedTest):
 
     @SIZES
     @pytest.mark.parametrize("mode", ["reentrant", "early-stop", "whole"])
-    def test_checkpointed_blocks_match_unpartitioned(self, world_size: int, mode: str) -> None:
+    @pytest.mark.parametrize("name", ["threshold-0", "unit-per-module"])
+    def test_checkpointed_blocks_match_unpartitioned(
+        self, world_size: int, mode: str, name: str
+    ) -> None:
         # The blocks' forward runs again in backward. Non-reentrant, it runs after the block's
         # last module began its backward: "whole" (torch's early stop off) runs that module's
         # forward hook too, which must not release what its backward is about to read.
@@ -107,7 +112,7 @@ class TestParity(DistributedTest):
         model = _Checkpointed(mode)
         reference = copy.deepcopy(model)
         data = batches(3, 8)
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS[name])
         losses = _train(model, handle, data)
         expected = reference_losses(reference, data, LR)
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
@@ -119,7 +124,7 @@ class TestParity(DistributedTest):
         model = TinyGPT()
         reference = copy.deepcopy(model)
         data = batches(3, 8)
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
         compiled = cast("nn.Module", torch.compile(model))
         losses = train_partitioned(compiled, handle.shard_parameters(), data, LR)
         expected = reference_losses(reference, data, LR)
@@ -140,7 +145,7 @@ class TestParity(DistributedTest):
         _train(model, handle, data[1:])
         assert handle.grad_buffers == [buffer]
         assert buffer.untyped_storage().nbytes() > 0
-        plain = zpartition.partition(TinyGPT(), config=CONFIGS["per-module"])
+        plain = zpartition.partition(TinyGPT(), config=CONFIGS["threshold-0"])
         _train(plain.module, plain, data[:1])
         assert plain.grad_buffers == []  # without the option, buckets live while reduced
 
@@ -169,7 +174,7 @@ class TestParity(DistributedTest):
         model = TinyGPT()
         reference = copy.deepcopy(model)
         zpartition.set_z3_leaf_modules(model, [Block])
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
         assert {u.name for u in handle.units} == {
             "<root>",
             "embed",
@@ -212,7 +217,7 @@ class TestParity(DistributedTest):
         torch.manual_seed(0)
         model = TinyGPT()
         reference = copy.deepcopy(model)
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
         shards = handle.shard_parameters()
         rank = zcomm.get_rank()
         for tokens in batches(2, 4 * world_size):
@@ -232,7 +237,7 @@ class TestParity(DistributedTest):
 
 class TestGradientSink(DistributedTest):
     @SIZES
-    @pytest.mark.parametrize("name", ["per-module", "some-persistent", "small-prefetch"])
+    @pytest.mark.parametrize("name", ["threshold-0", "some-persistent", "small-prefetch"])
     def test_sink_receives_the_averaged_shard_gradients(self, world_size: int, name: str) -> None:
         torch.manual_seed(0)
         model = TinyGPT()
@@ -384,7 +389,7 @@ class TestStorageAndStatus(DistributedTest):
     def test_each_rank_keeps_ceil_numel_over_world(self, world_size: int) -> None:
         model = TinyGPT()
         shapes = {n: p.shape for n, p in model.named_parameters()}
-        zpartition.partition(model, config=CONFIGS["per-module"])
+        zpartition.partition(model, config=CONFIGS["threshold-0"])
         for n, p in model.named_parameters():
             assert p.ds_tensor.shape == (math.ceil(shapes[n].numel() / world_size),)
             assert p.ds_shape == shapes[n]
@@ -402,7 +407,7 @@ class TestStorageAndStatus(DistributedTest):
         reference = copy.deepcopy(model)
         cpu = torch.device("cpu")
         handle = zpartition.partition(
-            model, config=CONFIGS["per-module"], shard_device=cpu, pin_memory=True
+            model, config=CONFIGS["threshold-0"], shard_device=cpu, pin_memory=True
         )
         pinned = torch.cuda.is_available()
         assert all(p.ds_tensor.is_pinned() == pinned for p in model.parameters())
@@ -540,7 +545,7 @@ class TestCoordinator(DistributedTest):
             model = TinyGPT()
             reference = copy.deepcopy(model)
             data = batches(3, 4)
-            handle = zpartition.partition(model, config=CONFIGS["per-module"])
+            handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
             losses = _train(model, handle, data)
         finally:
             _unit._COALESCE_BYTES = saved
@@ -557,7 +562,7 @@ class TestCoordinator(DistributedTest):
     def test_prefetch_follows_the_trace_and_eval_keeps_it(self, world_size: int) -> None:
         torch.manual_seed(0)
         model = TinyGPT()
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
         _train(model, handle, batches(2, 4))
         model.eval()
         with torch.no_grad():
@@ -575,7 +580,7 @@ class TestCoordinator(DistributedTest):
         torch.manual_seed(0)
         model = TinyGPT()
         reference = copy.deepcopy(model)
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
         pairs = list(zip(batches(4, 4), batches(4, 4, seed=2), strict=True))
         losses = _train(
             model, handle, pairs, lambda p: (model(_mine(p[0])) + model(_mine(p[1]))) / 2
@@ -599,7 +604,7 @@ class TestCoordinator(DistributedTest):
         torch.manual_seed(0)
         model = TinyGPT()
         reference = copy.deepcopy(model)
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
 
         def with_reference(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             loss: torch.Tensor = model(_mine(pair[0]))
@@ -623,7 +628,7 @@ class TestCoordinator(DistributedTest):
         torch.manual_seed(0)
         model = TinyGPT()
         reference = copy.deepcopy(model)
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
         data = batches(4, 4)
         losses = []
         for i, tokens in enumerate(data):
@@ -668,7 +673,7 @@ class TestParametersWithoutElements(DistributedTest):
                 model = _WithEmpty()
         else:
             model = _WithEmpty()
-        handle = zpartition.partition(model, config=CONFIGS["per-module"])
+        handle = zpartition.partition(model, config=CONFIGS["threshold-0"])
         assert not hasattr(model.extra, "ds_id")
         assert all(hasattr(p, "ds_id") for p in model.gpt.parameters())
         data = batches(2, 4)
@@ -703,7 +708,7 @@ class TestErrors(DistributedTest):
     @pytest.mark.parametrize("world_size", [2, 4])
     def test_ranks_running_different_modules_raise_on_every_rank(self, world_size: int) -> None:
         model = Branchy()
-        zpartition.partition(model, config=CONFIGS["per-module"])
+        zpartition.partition(model, config=CONFIGS["threshold-0"])
         rank = zcomm.get_rank()
         model(torch.ones(2, 4), skip=False).sum().backward()  # all ranks alike: fine
         with pytest.raises(ZeroParamError) as caught:
@@ -717,7 +722,7 @@ class TestErrors(DistributedTest):
     @pytest.mark.parametrize("world_size", [1, 2])
     def test_parameter_used_while_unavailable_is_named(self, world_size: int) -> None:
         model = Stash()
-        zpartition.partition(model, config=CONFIGS["per-module"])
+        zpartition.partition(model, config=CONFIGS["threshold-0"])
         with pytest.raises(
             ZeroParamError, match=r"rank \d: module '<root>'.*'lin.weight'.*not available"
         ):
@@ -746,7 +751,7 @@ class TestPinnedShards(DistributedTest):
         model = TinyGPT().cuda()
         handle = zpartition.partition(
             model,
-            config=CONFIGS["per-module"],
+            config=CONFIGS["threshold-0"],
             shard_device=torch.device("cpu"),
             pin_memory=True,
         )
