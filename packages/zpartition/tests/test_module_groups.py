@@ -96,6 +96,39 @@ def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 ONE = pytest.mark.parametrize("world_size", [1])
 
 
+class Attention(nn.Module):
+    """No parameters of its own, plain layers below: hidden in its layer's group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(HIDDEN, HIDDEN)
+        self.o = nn.Linear(HIDDEN, HIDDEN)
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attention()
+        self.norm = nn.LayerNorm(HIDDEN)
+
+
+class Owning(nn.Linear):
+    """Parameters of its own and a child: a group itself, never hidden in its parent's."""
+
+    def __init__(self) -> None:
+        super().__init__(HIDDEN, HIDDEN)
+        self.inner = nn.Linear(HIDDEN, HIDDEN)
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = Layer()
+        self.holder = nn.Module()
+        self.holder.owning = Owning()
+        self.holder.other = nn.Linear(HIDDEN, HIDDEN)
+
+
 class TestFormation(DistributedTest):
     @ONE
     def test_blocks_are_units_and_the_root_and_containers_never(self, world_size: int) -> None:
@@ -103,6 +136,14 @@ class TestFormation(DistributedTest):
         # the root's bias, each one-module child alone, a unit per block: no ModuleList group
         blocks = [f"blocks.{i}" for i in range(3)]
         assert _unit_names(handle) == ["<root>", "embed", *blocks, "norm"]
+        handle.remove()
+
+    @ONE
+    def test_a_group_reaches_two_levels_through_modules_without_parameters(
+        self, world_size: int
+    ) -> None:
+        handle = zpartition.partition(Nested(), config=ZeroParamConfig(**NOT_PERSISTENT))
+        assert _unit_names(handle) == ["layer", "holder.owning", "holder.other"]
         handle.remove()
 
     @ONE

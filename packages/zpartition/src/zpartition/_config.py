@@ -36,11 +36,12 @@ class ZeroParamConfig:
     module_granularity_threshold: int = 0
     """Modules whose parameters per layer are at most this become leaves (0: none)."""
     module_group_size: int = 10_000_000
-    """A module (not the root, not a container) whose subtree holds at most this many
-    partitioned elements in more than one module is gathered as one unit, as a leaf is: hooks
-    on it alone, its small modules' fetches made one (FSDP2's ``fully_shard`` per block).
-    Capped at half of ``max_live_parameters``. 0: a unit per module, as DeepSpeed ([Note: module
-    groups])."""
+    """A module (not the root, not a container) whose children are plain layers, or modules
+    without parameters of their own over plain layers (a transformer block's attention and
+    MLP), and whose subtree holds at most this many partitioned elements in more than one
+    module, is gathered as one unit, as a leaf is: hooks on it alone, its small modules'
+    fetches made one (FSDP2's ``fully_shard`` per block). Capped at half of
+    ``max_live_parameters``. 0: a unit per module, as DeepSpeed ([Note: module groups])."""
     reduce_dtype: torch.dtype | None = None
     """The dtype gradients are reduce-scattered in (FSDP2's ``reduce_dtype``, DeepSpeed's
     ``communication_data_type``): float32 sums bf16 gradients without rounding each partial

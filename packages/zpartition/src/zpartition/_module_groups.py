@@ -6,15 +6,16 @@ forward, again in backward, a grad_fn hook and the gradients' bookkeeping. For a
 small layers that is six times the Python of one fetch, and at a few hundred modules it is
 most of a step's overhead over plain data parallelism. FSDP2 asks the user to call
 ``fully_shard`` per block; DeepSpeed gathers per module unless the user marks leaves (or sets
-``stage3_module_granularity_threshold``). Here a module whose children are all layers without
-children of their own (Linear, LayerNorm, ...), whose subtree holds at most
-``module_group_size`` partitioned elements (persistent parameters not counted), and in which
-more than one module holds such parameters, is a *group*: the outermost one, walking from the
-root. It is gathered whole, as a leaf module is: one unit, hooks on it alone (see [Note:
-hooks]). A transformer block's attention and MLP are groups; a block holding those is not, nor
-is anything deeper: the modules a group hides are plain layers, called by their parent, which
-is what a unit per module would gather one by one (DeepSpeed's own tests inspect where a
-parameter returned from a nested module is registered, and that stays as it was).
+``stage3_module_granularity_threshold``). Here a module is a *group* when it is *shallow*, its
+subtree holds at most ``module_group_size`` partitioned elements (persistent parameters not
+counted), and more than one of its modules holds such parameters; the outermost one, walking
+from the root. Shallow: each child is a layer without children (Linear, LayerNorm, ...), or a
+module without parameters of its own whose children are such layers (a transformer block's
+attention and MLP). A group is gathered whole, as a leaf module is: one unit, hooks on it alone
+(see [Note: hooks]). A Llama or GPT-2 decoder layer is one group; a module that holds
+parameters itself and has children, one level down, is not hidden in a group: DeepSpeed's own
+tests inspect where a parameter returned from such a nested module is registered, and that
+stays as it was.
 
 What stays as it was with a unit per module:
 - A submodule called outside its group's forward, or a parameter read from another module,
@@ -45,9 +46,9 @@ __all__ = ["module_groups"]
 
 
 def module_groups(root: nn.Module, limit: int, persistent_ids: set[int]) -> set[nn.Module]:
-    """The modules of `root` gathered as one unit each: the outermost ones whose children have
-    no children and whose subtree holds at most `limit` partitioned elements outside
-    `persistent_ids`, in more than one module."""
+    """The modules of `root` gathered as one unit each: the outermost shallow ones whose subtree
+    holds at most `limit` partitioned elements outside `persistent_ids`, in more than one
+    module ([Note: module groups])."""
     chosen: set[nn.Module] = set()
     if limit <= 0:
         return chosen
@@ -58,7 +59,7 @@ def module_groups(root: nn.Module, limit: int, persistent_ids: set[int]) -> set[
         if (
             not is_root
             and not is_container(module)
-            and all(next(child.children(), None) is None for child in module.children())
+            and _shallow(module)
             and _fits(module, limit, persistent_ids)
         ):
             chosen.add(module)
@@ -68,6 +69,20 @@ def module_groups(root: nn.Module, limit: int, persistent_ids: set[int]) -> set[
 
     visit(root, True)
     return chosen
+
+
+def _shallow(module: nn.Module) -> bool:
+    """Each child of `module` is a layer without children, or a module that holds no parameter
+    of its own (not a container) whose children are such layers."""
+    for child in module.children():
+        grandchildren = list(child.children())
+        if not grandchildren:
+            continue
+        if is_container(child) or next(child.parameters(recurse=False), None) is not None:
+            return False
+        if any(next(g.children(), None) is not None for g in grandchildren):
+            return False
+    return True
 
 
 def _fits(module: nn.Module, limit: int, persistent_ids: set[int]) -> bool:

@@ -474,12 +474,13 @@ class ZeroConfig(Section):
     ``mics_shard_size``, whose shard groups keep the reductions in the node already."""
     module_group_size: Size = 10_000_000
     """Stage 3 (zstack's key): a module (not the model itself, not a ``ModuleList`` or
-    ``Sequential``) whose parameters, all of them below it, hold at most this many partitioned
-    elements is gathered as one unit, as a leaf module is, when several of its modules hold
-    parameters: one all-gather and one set of hooks per block of small layers instead of one
-    per layer (FSDP2's ``fully_shard`` per block, chosen by size). The memory of a group's
-    parameters is live at once; at most half of ``stage3_max_live_parameters``. 0: one unit
-    per module, as DeepSpeed gathers."""
+    ``Sequential``) of plain layers, directly or through modules without parameters of their
+    own (a decoder layer's attention and MLP), whose parameters, all of them below it, hold at
+    most this many partitioned elements is gathered as one unit, as a leaf module is, when
+    several of its modules hold parameters: one all-gather and one set of hooks per block of
+    small layers instead of one per layer (FSDP2's ``fully_shard`` per block, chosen by size).
+    The memory of a group's parameters is live at once; at most half of
+    ``stage3_max_live_parameters``. 0: one unit per module, as DeepSpeed gathers."""
     mics_hierarchical_params_gather: Flag = False
     """DeepSpeed's two-level gather for a shard group that spans nodes: not built; true is
     accepted where every shard group lies within a node (there it changes nothing)."""
