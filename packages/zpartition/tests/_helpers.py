@@ -14,6 +14,15 @@ from torch import nn
 
 HIDDEN, VOCAB, SEQ = 16, 32, 6
 HEADER = 64  # bytes of one rank's agreement header ([Note: agreement])
+# TinyGPT's units gathered again for every use: a unit per module (named by its module), the
+# norms and the bias persistent (gathered exactly), every other unit released after each use
+# so the backward gathers it again, and a prefetch bucket of two units at most (batched gathers)
+REGATHERED: dict[str, Any] = {
+    "module_group_size": 0,
+    "param_persistence_threshold": 48,
+    "max_reuse_distance": 0,
+    "prefetch_bucket_size": 1600,
+}
 
 
 class Block(nn.Module):

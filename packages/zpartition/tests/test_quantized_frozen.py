@@ -19,6 +19,7 @@ from zpartition import ZeroParamConfig, ZeroParamError
 
 from ._helpers import (
     HEADER,
+    REGATHERED,
     TinyGPT,
     batches,
     link_bytes,
@@ -29,13 +30,7 @@ from ._helpers import (
 )
 
 BLOCK = 64
-BASE: dict[str, Any] = {
-    "module_group_size": 0,  # a unit per module: the units below are named by their module
-    "param_persistence_threshold": 48,  # norms and the bias persistent
-    "max_reuse_distance": 0,  # released after each use: the backward gathers again
-    "prefetch_bucket_size": 1600,
-    "quantized_weights_block_size": BLOCK,
-}
+BASE: dict[str, Any] = {**REGATHERED, "quantized_weights_block_size": BLOCK}
 
 
 def _lora_like(seed: int = 0) -> TinyGPT:

@@ -16,6 +16,7 @@ from zpartition import ZeroParamConfig, ZeroParamError
 
 from ._helpers import (
     HEADER,
+    REGATHERED,
     TinyGPT,
     batches,
     groups,
@@ -28,15 +29,9 @@ from ._helpers import (
 
 
 def _config(secondary: int, prefetch: int = 1600) -> ZeroParamConfig:
-    # biases and norms persistent; the rest released after each use (max_reuse_distance 0),
-    # so the backward gathers every unit again; a prefetch bucket of two units at most, so the
-    # backward's gathers are prefetched too
+    # the backward gathers every unit again (prefetched too, with the default bucket)
     return ZeroParamConfig(
-        param_persistence_threshold=48,
-        max_reuse_distance=0,
-        prefetch_bucket_size=prefetch,
-        secondary_partition_size=secondary,
-        module_group_size=0,  # a unit per module: the units below are named by their module
+        **{**REGATHERED, "prefetch_bucket_size": prefetch}, secondary_partition_size=secondary
     )
 
 

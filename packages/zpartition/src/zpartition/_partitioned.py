@@ -510,7 +510,7 @@ def _build_units(
         # a leaf's or group's frozen parameters apart, to be kept as codes ([Note: module
         # groups]); a unit per module is one or the other already
         split = whole and config.quantized_nontrainable_weights
-        for part in _by_trainable(mine) if split else [mine] if mine else []:
+        for part in filter(None, _by_trainable(mine) if split else [mine]):
             unit = new_unit(
                 channel.next_unit_id(), name or "<root>", part, channel, _device_of(part)
             )
@@ -530,9 +530,8 @@ def _build_units(
 
 
 def _by_trainable(params: list[ZeroParameter]) -> list[list[ZeroParameter]]:
-    """`params` as the trainable ones and the frozen ones (each list only if not empty)."""
-    parts = [[p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]]
-    return [part for part in parts if part]
+    """`params` as the trainable ones and the frozen ones."""
+    return [[p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]]
 
 
 def _subtrees_with_partitioned(module: nn.Module, persistent_ids: set[int]) -> set[nn.Module]:

@@ -232,7 +232,8 @@ def _fill(unit: Unit, group: _GradGroup, rows: torch.Tensor, held: dict[int, tor
     of it per parameter and one copy for all."""
     dsts, srcs = [], []
     ranks = rows.shape[0]
-    for p, (off, chunk), (whole, rest) in zip(group.params, group.columns, group.rows, strict=True):
+    split = group.row_split
+    for p, (off, chunk), (whole, rest) in zip(group.params, group.columns, split, strict=True):
         grad = p.grad
         if held:  # backward passes without gradient sync held some ([Note: gradient sync])
             earlier = held.pop(id(p), None)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -157,15 +157,14 @@ def retire(param: ZeroParameter) -> None:
                 shard._zp_unit = None
 
 
-def check_bound(bound: Iterable[tuple[dict[str, Any], ShardTensor]]) -> None:
+def check_bound(bound: Sequence[tuple[dict[str, Any], ShardTensor]]) -> None:
     """Every parameter's ``ds_tensor`` (read from its ``__dict__``) is still its unit's shard:
     one identity test each. A tensor on the shard's own memory (``p.ds_tensor =
     p.ds_tensor.view(-1)``) is taken back; anything else raises."""
-    pairs = bound if isinstance(bound, list) else list(bound)
-    now = map(_DS_TENSOR, map(_FIRST, pairs))
-    if all(map(operator.is_, now, map(_SECOND, pairs))):
+    now = map(_DS_TENSOR, map(_FIRST, bound))
+    if all(map(operator.is_, now, map(_SECOND, bound))):
         return  # the hot path, once a pass: compared in C, no call per parameter
-    for attributes, shard in pairs:
+    for attributes, shard in bound:
         if attributes.get("ds_tensor") is not shard:
             _rebound(attributes, shard)
 

@@ -123,7 +123,16 @@ class _GradGroup:
     """The unit's trainable parameters of one dtype and one ``comm_dtype``, reduce-scattered
     together."""
 
-    __slots__ = ("columns", "comm", "dtype", "indices", "params", "rows", "shard_grad", "width")
+    __slots__ = (
+        "columns",
+        "comm",
+        "dtype",
+        "indices",
+        "params",
+        "row_split",
+        "shard_grad",
+        "width",
+    )
 
     def __init__(
         self, key: GradKey, indices: list[int], chunks: list[int], params: list[ZeroParameter]
@@ -135,11 +144,11 @@ class _GradGroup:
         self.columns: list[tuple[int, int]] = []  # (offset, chunk) in the rank-major rows
         # each parameter's full rows of chunks, and the elements in its part-filled row after
         # them (the rest of that row, and any rows below, are padding)
-        self.rows: list[tuple[int, int]] = []
+        self.row_split: list[tuple[int, int]] = []
         self.width = 0
         for i in indices:
             self.columns.append((self.width, chunks[i]))
-            self.rows.append(divmod(int(params[i].ds_numel), chunks[i]))  # chunks are >= 1
+            self.row_split.append(divmod(int(params[i].ds_numel), chunks[i]))  # chunks are >= 1
             self.width += chunks[i]
         self.shard_grad: torch.Tensor | None = None  # this rank's gradients, one flat tensor
 
