@@ -122,6 +122,7 @@ def test_bad_forced_accelerator_is_named() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 class TestCuda(DistributedTest):
     world_size = 1
 
