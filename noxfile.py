@@ -195,14 +195,20 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: a small GPT trained with ZeRO-3 on 2 processes (gloo on CPU, NCCL on GPU)."""
+    """The main job: a small GPT trained with ZeRO-3 on 2 processes (gloo on CPU, NCCL on GPU;
+    as many as there are GPUs, up to 2)."""
     # NumPy only quiets torch's "Failed to initialize NumPy" warning at every rank's start
     _install(session, _closure("zengine"), "numpy")
+    # NCCL takes a GPU per rank: on a machine with one GPU the demo trains on one rank
+    gpus = session.run(
+        "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True
+    )
+    ranks = min(2, int(str(gpus).split()[-1])) or 2
     session.run(
         "python",  # torchrun's module: its script lies in the shared torch folder (`_torch`)
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={ranks}",
         str(ROOT / "examples" / "train_gpt.py"),
         *session.posargs,
         env={"OMP_NUM_THREADS": "1"},
