@@ -2,9 +2,10 @@
 size 1, on a Llama-shaped model that fills most of the card; then `offload_states` of the same
 engines.
 
-Run by ``nox -s bench -- gpu_step`` on a CUDA machine (or ``python bench/bench_gpu_step.py
-[--layers N] [--steps N]``); prints markdown. Without CUDA it measures nothing and says so;
-``--device cpu`` runs a tiny shape on CPU over gloo, to check the script itself off a GPU.
+Run by ``nox -s bench -- gpu_step`` on a CUDA machine, or ``python bench/bench_gpu_step.py
+[--layers N] [--steps N] [CONTENDER ...]`` (bench/gpu_check.sh runs it so); prints markdown.
+Without CUDA it measures nothing and says so; ``--device cpu`` runs a tiny shape on CPU over
+gloo, to check the script itself off a GPU.
 
 The model (``Llama`` below): token embedding, `layers` decoder layers (RMSNorm, attention through
 four bias-free projections and ``F.scaled_dot_product_attention``, causal, no rotary embedding;
@@ -17,19 +18,20 @@ fp32 master weights and AdamW (lr 1e-5) for all three:
   default thresholds, the optimizer ``AdamW`` from the config (torch's fused kernel).
 - FSDP2: ``fully_shard`` per layer, then the root, ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)``, ``torch.optim.AdamW(fused=True)``.
-- DeepSpeed: ``deepspeed.initialize`` with the same config as zengine but the optimizer passed
-  in (``torch.optim.AdamW(fused=True)``, ``zero_allow_untested_optimizer``): its own FusedAdam
-  would be compiled with nvcc on first use, a minute of the machine's time.
+- DeepSpeed: ``deepspeed.initialize`` with the same config as zengine: its FusedAdam, compiled
+  with nvcc on first use (the set-up column holds that time), which its ``offload_states``
+  requires. Where it cannot be compiled, ``torch.optim.AdamW(fused=True)`` passed in
+  (``zero_allow_untested_optimizer``), and no ``offload_states``; also so on CPU.
 
 Each contender runs alone in a fresh process (world size 1, NCCL on CUDA): 3 warm-up steps, then
 `steps` timed steps (each ended by a device synchronize; the median is reported), then 2 steps
 under cProfile: the framework's own Python time per step (self time of the functions in its
-files: zpartition, zengine and zcomm; torch.distributed for FSDP2; deepspeed) is the cost of its
-hooks and bookkeeping, as a share of the profiled step (cProfile slows Python code, so the share
-is an upper bound). Peak memory is ``torch.cuda.max_memory_allocated`` over the training steps.
-Then, for zengine and DeepSpeed, two cycles of ``offload_states()`` / ``reload_states()`` to
-pinned host memory: the seconds each takes, and the device memory freed against what was
-allocated before (the state, as nothing else is held between steps).
+files: torch.distributed's for all three, with zpartition, zengine and zcomm, or deepspeed) is
+the cost of its hooks and bookkeeping, as a share of the profiled step (cProfile slows Python
+code, so the share is an upper bound). Peak memory is ``torch.cuda.max_memory_allocated`` over
+the timed steps. Then, for zengine and DeepSpeed, two cycles of ``offload_states()`` /
+``reload_states()`` to pinned host memory: the seconds each takes, and the device memory freed
+against what was allocated before (the state, as nothing else is held between steps).
 
 DeepSpeed must be the real one: the worker refuses the compatibility ``deepspeed``.
 ``ZSTACK_DEEPSPEED_PATH``, when set, is put first on DeepSpeed's worker's path (where the
@@ -66,10 +68,11 @@ CONTENDERS = (ZENGINE, FSDP2, DEEPSPEED)
 LR = 1e-5
 WARMUP, PROFILED, OFFLOAD_CYCLES = 3, 2, 2
 # The files whose Python self time counts as each framework's hooks and bookkeeping.
+# torch.distributed's Python (c10d's wrappers, FSDP2, DTensor) counts for all three.
 FRAMEWORK_FILES = {
-    ZENGINE: ("/zpartition/", "/zengine/", "/zcomm/"),
+    ZENGINE: ("/torch/distributed/", "/zpartition/", "/zengine/", "/zcomm/"),
     FSDP2: ("/torch/distributed/",),
-    DEEPSPEED: ("/deepspeed/",),
+    DEEPSPEED: ("/torch/distributed/", "/deepspeed/"),
 }
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -81,7 +81,7 @@ for name in "${PHASES[@]}"; do
         "${xdist[@]}" --continue-on-collection-errors --junitxml="$OUT/tests.xml" ;;
     demo) phase demo 60 "$PY" -m torch.distributed.run --nproc-per-node=1 \
         examples/train_gpt.py ;;
-    gpu_step) phase gpu_step 200 env PYTHONPATH="/tmp/site:$SOURCES" \
+    gpu_step) phase gpu_step 260 env PYTHONPATH="/tmp/site:$SOURCES" \
         "$PY" bench/bench_gpu_step.py --logs /tmp/gpu_step_logs ;;
     zoffload) phase zoffload 90 env ZOFFLOAD_BENCH_MB=256 "$PY" bench/bench_zoffload.py ;;
     pipe) phase pipe 90 env CUDA_VISIBLE_DEVICES= ZCOMM_ACCELERATOR=cpu "$PY" bench/bench_pipe.py ;;
