@@ -148,6 +148,27 @@ class TestCuda(DistributedTest):
         acc.synchronize()
         assert t.tolist() == [2.0] * 4
 
+    def test_host_tensors_on_nccl_go_through_the_device(self) -> None:
+        # [Note: host tensors on NCCL]: a host tensor is copied to this rank's GPU and back
+        # (test_staged.py checks the copying over gloo); a device tensor goes as it is
+        from zcomm import _collectives
+
+        here = torch.device("cuda", torch.cuda.current_device())
+        assert _collectives._staging_device(None, [torch.ones(2)]) == here
+        assert _collectives._staging_device(None, [torch.ones(2, device=here)]) is None
+        t = torch.arange(4.0)
+        handle = _collectives._staged(
+            "all_reduce",
+            None,
+            here,
+            (t,),
+            (0,),
+            lambda c: zcomm.all_reduce(c[0].mul_(3)),  # what the collective wrote: tripled
+            async_op=True,
+        )
+        handle.wait()
+        assert t.tolist() == [0.0, 3.0, 6.0, 9.0]
+
 
 class TestDeviceCount(DistributedTest):
     @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU accelerator")

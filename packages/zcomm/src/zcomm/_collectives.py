@@ -3,12 +3,14 @@
 
 Each is the torch.distributed collective of the same name, never a reimplementation. A group
 of one takes a fast path with no communication. On gloo, ``ReduceOp.AVG`` runs as a sum and a
-division, because gloo in older torch releases rejects AVG.
+division, because gloo in older torch releases rejects AVG. Host tensors on an NCCL group go
+through device copies ([Note: host tensors on NCCL]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,50 @@ ReduceOp = dist.ReduceOp
 # torch 2.13 renamed the tensor collectives (the old names warn); use whichever exists.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _staging_device(
+    group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor]
+) -> torch.device | None:
+    """[Note: host tensors on NCCL] NCCL carries CUDA tensors only, and zstack keeps state on
+    the host that meets NCCL groups: ZeRO-Offload's gradient partitions (their norm, summed
+    across ranks every step), flags and headers built on the CPU. torch would refuse such a
+    collective ("No backend type associated with device type cpu"). Rather than every caller
+    minding the backend, a collective whose tensors lie on the host while its group is NCCL's
+    runs on device copies of them, and what it wrote is copied back when it completes
+    (`_staged`). This is the device to copy to, or None when the tensors can go as they are
+    (a world with a gloo backend for the CPU, "cpu:gloo,cuda:nccl", reports no "nccl" here and
+    sends them over gloo). Host tensors on NCCL are small or rare; device tensors, the hot path,
+    pay one attribute read here."""
+    if not any(t.is_cpu for t in tensors) or dist.get_backend(group) != "nccl":
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _staged(
+    op: str,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    tensors: Sequence[torch.Tensor],
+    written: Sequence[int],
+    call: Callable[[list[torch.Tensor]], Handle],
+    async_op: bool,
+) -> Handle:
+    """`call` (the same collective) on copies of `tensors` on `device`; the copies of those at
+    the indexes `written` are copied back into them once it completed ([Note: host tensors on
+    NCCL])."""
+    copies = [t.to(device, copy=True) for t in tensors]
+    inner = call(copies)
+
+    def copy_back() -> None:
+        for i in written:
+            tensors[i].copy_(copies[i])
+
+    # the inner handle stands in for torch's Work: waiting on this one waits on it first
+    handle = Handle(op, group, cast(dist.Work, inner), finish=copy_back)
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -74,6 +120,10 @@ def all_reduce(
     size = group_size("all_reduce", check_group("all_reduce", group))
     if size == 1:
         return completed("all_reduce")
+    device = _staging_device(group, (tensor,))
+    if device is not None:
+        call = lambda c: all_reduce(c[0], op, group, async_op)  # noqa: E731
+        return _staged("all_reduce", group, device, (tensor,), (0,), call, async_op)
     torch_op, finish = _reduction(op, group, tensor, size)
     return run(
         "all_reduce",
@@ -110,6 +160,10 @@ def reduce(
     check_rank("reduce", "dst", dst, group)
     if size == 1:
         return completed("reduce")
+    device = _staging_device(group, (tensor,))
+    if device is not None:
+        call = lambda c: reduce(c[0], dst, op, group, async_op)  # noqa: E731
+        return _staged("reduce", group, device, (tensor,), (0,), call, async_op)
     torch_op, finish = _reduction(op, group, tensor, size)
     return run(
         "reduce",
@@ -133,6 +187,10 @@ def broadcast(
     check_rank("broadcast", "src", src, group)
     if size == 1:
         return completed("broadcast")
+    device = _staging_device(group, (tensor,))
+    if device is not None:
+        call = lambda c: broadcast(c[0], src, group, async_op)  # noqa: E731
+        return _staged("broadcast", group, device, (tensor,), (0,), call, async_op)
     return run(
         "broadcast",
         group,
@@ -206,6 +264,11 @@ def all_gather(
         if tensor_list[0].data_ptr() != tensor.data_ptr():
             tensor_list[0].copy_(tensor)
         return completed("all_gather")
+    device = _staging_device(group, (tensor, *tensor_list))
+    if device is not None:
+        call = lambda c: all_gather(c[1:], c[0], group, async_op)  # noqa: E731
+        outputs = range(1, size + 1)
+        return _staged("all_gather", group, device, (tensor, *tensor_list), outputs, call, async_op)
     return run(
         "all_gather",
         group,
@@ -231,6 +294,11 @@ def all_gather_into_tensor(
     size = _prepare_pair(op, input_tensor, output_tensor, names, group, result=output_tensor)
     if size == 1:
         return completed(op)
+    device = _staging_device(group, (output_tensor, input_tensor))
+    if device is not None:
+        call = lambda c: all_gather_into_tensor(c[0], c[1], group, async_op)  # noqa: E731
+        tensors = (output_tensor, input_tensor)
+        return _staged(op, group, device, tensors, (0,), call, async_op)
     return run(
         op,
         group,
@@ -279,6 +347,10 @@ def all_to_all_single(
     start, end = output.data_ptr(), output.data_ptr() + _nbytes(output)
     if start < input.data_ptr() + _nbytes(input) and input.data_ptr() < end:
         raise ValueError(f"{op}: output overlaps input (chunks would be overwritten unsent)")
+    device = _staging_device(group, (output, input))
+    if device is not None:
+        call = lambda c: all_to_all_single(c[0], c[1], group=group, async_op=async_op)  # noqa: E731
+        return _staged(op, group, device, (output, input), (0,), call, async_op)
     return run(
         op,
         group,
@@ -310,6 +382,10 @@ def reduce_scatter_tensor(
     if size == 1:
         return completed(name)
     _check_overlap(name, output, input, group, scratch_input)
+    device = _staging_device(group, (output, input))
+    if device is not None:  # the copies are apart: no scratch, no in-place chunk
+        call = lambda c: reduce_scatter_tensor(c[0], c[1], op, group, async_op)  # noqa: E731
+        return _staged(name, group, device, (output, input), (0,), call, async_op)
     return _scatter(
         name,
         output,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zcomm import _accounting, _nodes
-from zcomm._errors import comm_error
+from zcomm._errors import CommError, comm_error
 
 __all__ = ["Handle", "completed", "run"]
 
@@ -70,6 +70,9 @@ class Handle:
         if work is not None:
             try:
                 work.wait() if timeout is None else work.wait(timeout)
+            except CommError:
+                self._done = True
+                raise  # a staged collective's own handle said it ([Note: host tensors on NCCL])
             except RuntimeError as error:
                 self._done = True
                 raise comm_error(self._op, self._group, error) from error
