@@ -160,12 +160,12 @@ class TestCuda(DistributedTest):
         handle = _collectives._staged(
             "all_reduce",
             None,
-            here,
             (t,),
             (0,),
             lambda c: zcomm.all_reduce(c[0].mul_(3)),  # what the collective wrote: tripled
             async_op=True,
         )
+        assert handle is not None
         handle.wait()
         assert t.tolist() == [0.0, 3.0, 6.0, 9.0]
 

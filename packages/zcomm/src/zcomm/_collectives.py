@@ -60,15 +60,17 @@ def _staging_device(
 def _staged(
     op: str,
     group: dist.ProcessGroup | None,
-    device: torch.device,
     tensors: Sequence[torch.Tensor],
     written: Sequence[int],
     call: Callable[[list[torch.Tensor]], Handle],
     async_op: bool,
-) -> Handle:
-    """`call` (the same collective) on copies of `tensors` on `device`; the copies of those at
-    the indexes `written` are copied back into them once it completed ([Note: host tensors on
-    NCCL])."""
+) -> Handle | None:
+    """When `tensors` must go through the device ([Note: host tensors on NCCL]): `call` (the
+    same collective) on device copies of them, and the copies of those at the indexes
+    `written` copied back into them once it completed. None when they can go as they are."""
+    device = _staging_device(group, tensors)
+    if device is None:
+        return None
     copies = [t.to(device, copy=True) for t in tensors]
     inner = call(copies)
 
@@ -120,10 +122,16 @@ def all_reduce(
     size = group_size("all_reduce", check_group("all_reduce", group))
     if size == 1:
         return completed("all_reduce")
-    device = _staging_device(group, (tensor,))
-    if device is not None:
-        call = lambda c: all_reduce(c[0], op, group, async_op)  # noqa: E731
-        return _staged("all_reduce", group, device, (tensor,), (0,), call, async_op)
+    staged = _staged(
+        "all_reduce",
+        group,
+        (tensor,),
+        (0,),
+        lambda c: all_reduce(c[0], op, group, async_op),
+        async_op,
+    )
+    if staged is not None:
+        return staged
     torch_op, finish = _reduction(op, group, tensor, size)
     return run(
         "all_reduce",
@@ -160,10 +168,11 @@ def reduce(
     check_rank("reduce", "dst", dst, group)
     if size == 1:
         return completed("reduce")
-    device = _staging_device(group, (tensor,))
-    if device is not None:
-        call = lambda c: reduce(c[0], dst, op, group, async_op)  # noqa: E731
-        return _staged("reduce", group, device, (tensor,), (0,), call, async_op)
+    staged = _staged(
+        "reduce", group, (tensor,), (0,), lambda c: reduce(c[0], dst, op, group, async_op), async_op
+    )
+    if staged is not None:
+        return staged
     torch_op, finish = _reduction(op, group, tensor, size)
     return run(
         "reduce",
@@ -187,10 +196,16 @@ def broadcast(
     check_rank("broadcast", "src", src, group)
     if size == 1:
         return completed("broadcast")
-    device = _staging_device(group, (tensor,))
-    if device is not None:
-        call = lambda c: broadcast(c[0], src, group, async_op)  # noqa: E731
-        return _staged("broadcast", group, device, (tensor,), (0,), call, async_op)
+    staged = _staged(
+        "broadcast",
+        group,
+        (tensor,),
+        (0,),
+        lambda c: broadcast(c[0], src, group, async_op),
+        async_op,
+    )
+    if staged is not None:
+        return staged
     return run(
         "broadcast",
         group,
@@ -264,11 +279,16 @@ def all_gather(
         if tensor_list[0].data_ptr() != tensor.data_ptr():
             tensor_list[0].copy_(tensor)
         return completed("all_gather")
-    device = _staging_device(group, (tensor, *tensor_list))
-    if device is not None:
-        call = lambda c: all_gather(c[1:], c[0], group, async_op)  # noqa: E731
-        outputs = range(1, size + 1)
-        return _staged("all_gather", group, device, (tensor, *tensor_list), outputs, call, async_op)
+    staged = _staged(
+        "all_gather",
+        group,
+        (tensor, *tensor_list),
+        range(1, size + 1),
+        lambda c: all_gather(c[1:], c[0], group, async_op),
+        async_op,
+    )
+    if staged is not None:
+        return staged
     return run(
         "all_gather",
         group,
@@ -294,11 +314,16 @@ def all_gather_into_tensor(
     size = _prepare_pair(op, input_tensor, output_tensor, names, group, result=output_tensor)
     if size == 1:
         return completed(op)
-    device = _staging_device(group, (output_tensor, input_tensor))
-    if device is not None:
-        call = lambda c: all_gather_into_tensor(c[0], c[1], group, async_op)  # noqa: E731
-        tensors = (output_tensor, input_tensor)
-        return _staged(op, group, device, tensors, (0,), call, async_op)
+    staged = _staged(
+        op,
+        group,
+        (output_tensor, input_tensor),
+        (0,),
+        lambda c: all_gather_into_tensor(c[0], c[1], group, async_op),
+        async_op,
+    )
+    if staged is not None:
+        return staged
     return run(
         op,
         group,
@@ -347,10 +372,16 @@ def all_to_all_single(
     start, end = output.data_ptr(), output.data_ptr() + _nbytes(output)
     if start < input.data_ptr() + _nbytes(input) and input.data_ptr() < end:
         raise ValueError(f"{op}: output overlaps input (chunks would be overwritten unsent)")
-    device = _staging_device(group, (output, input))
-    if device is not None:
-        call = lambda c: all_to_all_single(c[0], c[1], group=group, async_op=async_op)  # noqa: E731
-        return _staged(op, group, device, (output, input), (0,), call, async_op)
+    staged = _staged(
+        op,
+        group,
+        (output, input),
+        (0,),
+        lambda c: all_to_all_single(c[0], c[1], group=group, async_op=async_op),
+        async_op,
+    )
+    if staged is not None:
+        return staged
     return run(
         op,
         group,
@@ -382,10 +413,17 @@ def reduce_scatter_tensor(
     if size == 1:
         return completed(name)
     _check_overlap(name, output, input, group, scratch_input)
-    device = _staging_device(group, (output, input))
-    if device is not None:  # the copies are apart: no scratch, no in-place chunk
-        call = lambda c: reduce_scatter_tensor(c[0], c[1], op, group, async_op)  # noqa: E731
-        return _staged(name, group, device, (output, input), (0,), call, async_op)
+    # staged, the copies lie apart: a scratch input's chunk is no longer the output
+    staged = _staged(
+        name,
+        group,
+        (output, input),
+        (0,),
+        lambda c: reduce_scatter_tensor(c[0], c[1], op, group, async_op),
+        async_op,
+    )
+    if staged is not None:
+        return staged
     return _scatter(
         name,
         output,
