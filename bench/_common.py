@@ -1,4 +1,5 @@
-"""What the benchmarks share: the GPT they train, and starting ranks as separate processes."""
+"""What the benchmarks share: the GPT they train, a training step of a model and optimizer or of
+an engine, and starting ranks as separate processes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,35 @@ class GPT(nn.Module):
         logits = self.head(self.ln(x))
         loss: torch.Tensor = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return loss
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Step = Callable[[Batch], torch.Tensor]
+
+
+def trainer_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
+    """A step of plain PyTorch: forward (the model returns the loss), backward, step, zero."""
+
+    def step(batch: Batch) -> torch.Tensor:
+        loss: torch.Tensor = model(*batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def engine_step(engine: Any) -> Step:
+    """A step of a zengine or DeepSpeed engine (Any: DeepSpeed ships no type information)."""
+
+    def step(batch: Batch) -> torch.Tensor:
+        loss: torch.Tensor = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return step
 
 
 def free_port() -> int:

@@ -61,7 +61,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import free_port, rank_env
+from _common import Batch, Step, engine_step, free_port, rank_env, trainer_step
 
 ZENGINE, FSDP2, DEEPSPEED = "zengine", "FSDP2", "DeepSpeed"
 CONTENDERS = (ZENGINE, FSDP2, DEEPSPEED)
@@ -74,9 +74,6 @@ FRAMEWORK_FILES = {
     FSDP2: ("/torch/distributed/",),
     DEEPSPEED: ("/torch/distributed/", "/deepspeed/"),
 }
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-Step = Callable[[Batch], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,16 +164,6 @@ def _engine_config(shape: Shape, device: str) -> dict[str, Any]:
     }
 
 
-def _engine_step(engine: Any) -> Step:
-    def step(batch: Batch) -> torch.Tensor:
-        loss: torch.Tensor = engine(*batch)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return step
-
-
 def _model(shape: Shape, device: str) -> Llama:
     torch.manual_seed(0)
     with torch.device(device):  # built where it trains: 2.7 B parameters initialize in seconds
@@ -198,7 +185,7 @@ def _deepspeed(shape: Shape, device: str, config: dict[str, Any]) -> tuple[Step,
                 model_parameters=model.parameters(),
                 config=config | {"optimizer": optimizer},
             )
-            return _engine_step(engine), engine
+            return engine_step(engine), engine
         except Exception as error:  # no nvcc or ninja to compile it: torch's AdamW, below
             print(f"DeepSpeed's FusedAdam failed ({error!r}); torch's AdamW", file=sys.stderr)
             del model
@@ -207,7 +194,7 @@ def _deepspeed(shape: Shape, device: str, config: dict[str, Any]) -> tuple[Step,
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, fused=device == "cuda")
     config = config | {"zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=adamw, config=config)
-    return _engine_step(engine), None
+    return engine_step(engine), None
 
 
 def _build(label: str, shape: Shape, device: str) -> tuple[Step, Any]:
@@ -223,7 +210,7 @@ def _build(label: str, shape: Shape, device: str) -> tuple[Step, Any]:
         engine, *_ = zengine.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
-        return _engine_step(engine), engine
+        return engine_step(engine), engine
     if label == FSDP2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -235,15 +222,7 @@ def _build(label: str, shape: Shape, device: str) -> tuple[Step, Any]:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=device == "cuda")
-
-        def step(batch: Batch) -> torch.Tensor:
-            loss: torch.Tensor = model(*batch)
-            loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss.detach()
-
-        return step, None
+        return trainer_step(model, optimizer), None
     raise ValueError(f"unknown contender {label!r}")
 
 

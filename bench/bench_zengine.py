@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from _common import GPT, free_port, rank_env
+from _common import GPT, Batch, Step, engine_step, free_port, rank_env, trainer_step
 
 VOCAB, SEQ, HEADS, BLOCKS = 8192, 256, 4, 4
 HIDDEN, MICRO_BATCH = 256, 4  # the timed model
@@ -233,8 +233,6 @@ THRESHOLD_0_PHASES = [
 # One rank of one contender (a worker process)
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-Step = Callable[[Batch], torch.Tensor]
 Run = Callable[[int], torch.Tensor]  # takes N steps, returns the last loss
 
 
@@ -247,17 +245,6 @@ def _memory() -> dict[str, float]:
             if name in ("VmHWM", "VmRSS"):
                 fields[name] = int(value.split()[0]) / 1024
     return {"peak": fields["VmHWM"], "end": fields["VmRSS"]}
-
-
-def _trainer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
-    def step(batch: Batch) -> torch.Tensor:
-        loss: torch.Tensor = model(*batch)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    return step
 
 
 def _engine_trainer(
@@ -277,31 +264,24 @@ def _engine_trainer(
         **(extra or {}),
     }
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
-
-    def step(batch: Batch) -> torch.Tensor:
-        loss: torch.Tensor = engine(*batch)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return step
+    return engine_step(engine)
 
 
 def _build(label: str, shape: Shape) -> Step:
     torch.manual_seed(MODEL_SEED)
     model = shape.gpt()
     if label in (PLAIN, AA, REFERENCE):
-        return _trainer(model, torch.optim.Adam(model.parameters(), lr=LR))
+        return trainer_step(model, torch.optim.Adam(model.parameters(), lr=LR))
     if label == DDP:
         ddp = nn.parallel.DistributedDataParallel(model)
-        return _trainer(ddp, torch.optim.Adam(ddp.parameters(), lr=LR))
+        return trainer_step(ddp, torch.optim.Adam(ddp.parameters(), lr=LR))
     if label == FSDP:
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        return _trainer(model, torch.optim.Adam(model.parameters(), lr=LR))
+        return trainer_step(model, torch.optim.Adam(model.parameters(), lr=LR))
     if label in ENGINES:
         library, extra = ENGINES[label]
         return _engine_trainer(library, model, shape.micro, extra)

@@ -41,12 +41,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import zcomm
 import zpartition
-from _common import GPT, Block, run_ranks
+from _common import GPT, Batch, Block, Step, run_ranks, trainer_step
 
 VOCAB, HIDDEN, SEQ, HEADS, BLOCKS, MICRO_BATCH = 256, 64, 64, 4, 48, 4
 LR = 1e-3
@@ -68,10 +67,6 @@ ZP_DEFAULT = "zpartition, default config (threshold 1e5: all persist)"
 FSDP, FSDP_FUSED = "FSDP2 per block", "FSDP2 per block, fused Adam"
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-Step = Callable[[Batch], torch.Tensor]
-
-
 def _batches(global_batch: int) -> list[Batch]:
     gen = torch.Generator().manual_seed(DATA_SEED)
     return [
@@ -88,20 +83,9 @@ def _model() -> GPT:
     return GPT(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, heads=HEADS, blocks=BLOCKS)
 
 
-def _trainer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
-    def step(batch: Batch) -> torch.Tensor:
-        loss: torch.Tensor = model(*batch)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    return step
-
-
 def _plain() -> Step:
     model = _model()
-    return _trainer(model, torch.optim.Adam(model.parameters(), lr=LR))
+    return trainer_step(model, torch.optim.Adam(model.parameters(), lr=LR))
 
 
 def _zpartition(threshold: int | None, leaves: bool) -> Step:
@@ -114,7 +98,7 @@ def _zpartition(threshold: int | None, leaves: bool) -> Step:
         else zpartition.ZeroParamConfig(param_persistence_threshold=threshold)
     )
     handle = zpartition.partition(model, config=config)
-    return _trainer(model, torch.optim.Adam(handle.shard_parameters(), lr=LR))
+    return trainer_step(model, torch.optim.Adam(handle.shard_parameters(), lr=LR))
 
 
 def _fsdp(fused: bool) -> Step:
@@ -123,7 +107,7 @@ def _fsdp(fused: bool) -> Step:
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, fused=True if fused else None)
-    return _trainer(model, optimizer)
+    return trainer_step(model, optimizer)
 
 
 BUILDERS: dict[str, Callable[[], Step]] = {
