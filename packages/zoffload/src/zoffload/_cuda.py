@@ -115,7 +115,8 @@ _copiers_lock = threading.Lock()
 
 def copier(device: torch.device) -> Copier:
     """The process-wide copier of one GPU (its streams are made once)."""
-    device = torch.device("cuda", device.index if device.index is not None else 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
     with _copiers_lock:
         found = _copiers.get(device)
         if found is None:
@@ -234,13 +235,13 @@ class _CupyCopier(Copier):
             ],
             dtype=torch.int64,
         ).to(self.device)
-        # DLPack: CuPy views torch's memory in place; the stream handshake is a no-op
-        # because both sides run on the same stream here.
-        ptrs, offsets, sizes = (cp.from_dlpack(row) for row in table)
-        staging = cp.from_dlpack(packed)
         largest = max(s.nbytes for s in slots)
         blocks_x = min(1024, max(1, -(-largest // (16 * 256))))
         with cp.cuda.ExternalStream(stream.cuda_stream, self.device.index):
+            # DLPack: CuPy views torch's memory in place. Made inside the block, CuPy asks
+            # for the tensors on torch's current stream, ours, so the handshake adds no wait.
+            ptrs, offsets, sizes = (cp.from_dlpack(row) for row in table)
+            staging = cp.from_dlpack(packed)
             self._kernel(
                 (blocks_x, len(slots)),
                 (256,),
