@@ -111,3 +111,8 @@ def test_device_tensors_and_other_backends_are_not_staged() -> None:
     # no process group needed: a tensor not on the host never asks for the backend
     meta = torch.empty(3, device="meta")
     assert _collectives._staging_device(None, [meta]) is None
+
+    def never(copies: list[torch.Tensor]) -> zcomm.Handle:
+        raise AssertionError("a device tensor was staged")
+
+    assert _collectives._staged("all_reduce", None, [meta], [0], never, False) is None

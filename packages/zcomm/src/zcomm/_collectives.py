@@ -51,7 +51,7 @@ def _staging_device(
     (`_staged`). This is the device to copy to, or None when the tensors can go as they are
     (a world with a gloo backend for the CPU, "cpu:gloo,cuda:nccl", reports no "nccl" here and
     sends them over gloo). Host tensors on NCCL are small or rare; device tensors, the hot path,
-    pay one attribute read here."""
+    are let through by `_staged` before this is asked."""
     if not any(t.is_cpu for t in tensors) or dist.get_backend(group) != "nccl":
         return None
     return torch.device("cuda", torch.cuda.current_device())
@@ -68,6 +68,11 @@ def _staged(
     """When `tensors` must go through the device ([Note: host tensors on NCCL]): `call` (the
     same collective) on device copies of them, and the copies of those at the indexes
     `written` copied back into them once it completed. None when they can go as they are."""
+    for tensor in tensors:
+        if tensor.is_cpu:
+            break
+    else:
+        return None  # device tensors, the hot path on a GPU: no further call
     device = _staging_device(group, tensors)
     if device is None:
         return None
