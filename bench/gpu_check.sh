@@ -35,12 +35,6 @@ install() {  # install() FOLDER TARGET: the wheels in FOLDER into TARGET
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$2" "$1"/*.whl
 }
-install .whl /tmp/site || { echo "installing .whl failed" | tee -a "$OUT/summary.txt"; exit 1; }
-install .whl/peers /tmp/peers || echo "installing .whl/peers failed" | tee -a "$OUT/summary.txt"
-
-SOURCES=$(ls -d "$PWD"/packages/z*/src | tr '\n' ':')  # zstack without the compatibility package
-COMPAT=$PWD/packages/deepspeed-compat/src
-export PYTHONPATH=/tmp/site:$SOURCES$COMPAT PYTHONUNBUFFERED=1 ZSTACK_DEEPSPEED_PATH=/tmp/peers
 
 phase() {  # phase NAME LIMIT COMMAND...: run under the smaller of LIMIT and what is left
     local name=$1 limit=$2 left began rc
@@ -61,6 +55,15 @@ phase() {  # phase NAME LIMIT COMMAND...: run under the smaller of LIMIT and wha
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tail -1
     echo "cores: $(nproc)"
+} >"$OUT/summary.txt"
+install .whl /tmp/site || { echo "installing .whl failed" | tee -a "$OUT/summary.txt"; exit 1; }
+install .whl/peers /tmp/peers || echo "installing .whl/peers failed" | tee -a "$OUT/summary.txt"
+
+SOURCES=$(ls -d "$PWD"/packages/z*/src | tr '\n' ':')  # zstack without the compatibility package
+COMPAT=$PWD/packages/deepspeed-compat/src
+export PYTHONPATH=/tmp/site:$SOURCES$COMPAT PYTHONUNBUFFERED=1 ZSTACK_DEEPSPEED_PATH=/tmp/peers
+
+{
     "$PY" - <<'EOF' 2>&1
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
@@ -71,7 +74,7 @@ for name in ("cupy", "transformers", "accelerate", "peft", "pydantic", "deepspee
         print(name, "missing:", error)
 EOF
     PYTHONPATH=/tmp/peers:/tmp/site "$PY" -c "import deepspeed; print('peer: deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-} >"$OUT/summary.txt"
+} >>"$OUT/summary.txt"
 
 xdist=()
 "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4)
