@@ -281,12 +281,11 @@ def worker(label: str, shape: Shape, device: str, steps: int) -> None:
     losses = [float(step(batches[i % 2])) for i in range(WARMUP)]
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(steps):
-        _sync(device)
-        start = time.perf_counter()
-        losses.append(float(step(batches[i % 2])))  # float() waits for the step's end
-        times.append(time.perf_counter() - start)
+
+    def timed_step(batch: Batch) -> float:
+        return _timed(lambda: losses.append(float(step(batch))), device)
+
+    times = [timed_step(batches[i % 2]) for i in range(steps)]
     profile = cProfile.Profile()
     _sync(device)
     start = time.perf_counter()
