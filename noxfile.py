@@ -25,6 +25,11 @@ PACKAGES = ["zpipe", "zcomm", "zpartition", "zoffload", "zengine"]
 # that needs a DeepSpeed name zstack lacks.
 COMPAT = "deepspeed-compat"
 HF_LIBRARIES = ["transformers", "accelerate", "peft", "safetensors"]
+# zengine's tests that read and write DeepSpeed's own checkpoint formats with the real DeepSpeed
+# (marked `deepspeed`): its release whose formats zstack follows, from PyPI, beside zengine (the
+# compatibility package, which is also called `deepspeed`, stays out of that venv).
+INTEROP = "deepspeed-interop"
+DEEPSPEED = "deepspeed==0.19.8"
 CONSTRAINTS = str(ROOT / "constraints.txt")
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
 BUILD_BACKEND = "hatchling>=1.21"  # every package's [build-system] requires
@@ -107,15 +112,22 @@ def _install(session: nox.Session, packages: list[str], *extra: str) -> None:
 
 
 @nox.session
-@nox.parametrize("package", [*PACKAGES, COMPAT], ids=[*PACKAGES, COMPAT])
+@nox.parametrize("package", [*PACKAGES, COMPAT, INTEROP], ids=[*PACKAGES, COMPAT, INTEROP])
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, in a venv holding only it and what it declares (and, for the
-    compatibility package, the Hugging Face libraries its tests drive)."""
-    extra = HF_LIBRARIES if package == COMPAT else []
-    _install(session, _closure(package), *TEST_DEPS, *extra)
-    session.run(
-        "pytest", str(ROOT / "packages" / package / "tests"), "-m", "not gpu", *session.posargs
-    )
+    compatibility package, the Hugging Face libraries its tests drive); `deepspeed-interop`:
+    zengine's tests marked `deepspeed`, beside the real DeepSpeed."""
+    if package == INTEROP:
+        _install(session, _closure("zengine"), *TEST_DEPS)
+        # DeepSpeed builds against the torch already installed (its setup.py imports torch)
+        _pip_install(session, "setuptools", "wheel")
+        _pip_install(session, "--no-build-isolation", "-c", CONSTRAINTS, DEEPSPEED)
+        tests_dir, marks = ROOT / "packages" / "zengine" / "tests", "deepspeed and not gpu"
+    else:
+        extra = HF_LIBRARIES if package == COMPAT else []
+        _install(session, _closure(package), *TEST_DEPS, *extra)
+        tests_dir, marks = ROOT / "packages" / package / "tests", "not gpu and not deepspeed"
+    session.run("pytest", str(tests_dir), "-m", marks, *session.posargs)
 
 
 @nox.session(name="tests-gpu")
