@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -91,10 +92,22 @@ def test_warmup_lr_scalar_applies_to_every_group():
 
 def test_warmup_steps_below_two_are_raised_to_two():
     # DeepSpeed's rule: log(1) would divide by zero.
-    schedule = WarmupLR(_sgd(1.0), warmup_max_lr=1.0, warmup_num_steps=0, warmup_type="linear")
+    schedule = WarmupLR(_sgd(1.0), warmup_max_lr=1.0, warmup_num_steps=1, warmup_type="linear")
     assert schedule.warmup_num_steps == 2
     seen = _lrs_at(schedule, [0, 1, 2])
     assert seen == {0: [0.0], 1: [0.5], 2: [1.0]}
+
+
+def test_warmup_lr_peaks_at_each_groups_own_lr_when_no_max_is_given():
+    # DeepSpeed 0.19's default: warmup_max_lr None is the optimizer's lr of each group
+    opt = _sgd(0.1, 0.2)
+    schedule = WarmupLR(opt, warmup_num_steps=10)
+    assert schedule.max_lrs == [0.1, 0.2]
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]
+    schedule.step(10)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
+    # WarmupDecayLR keeps DeepSpeed's fixed default
+    assert WarmupDecayLR(_sgd(0.5), 20, warmup_num_steps=10).max_lrs == [0.001]
 
 
 def test_explicit_step_index():
@@ -241,6 +254,10 @@ def test_resume_with_last_batch_iteration_leaves_optimizer_alone():
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="warmup_num_steps"):
         WarmupLR(_sgd(1.0), warmup_num_steps=-1)
+    with pytest.raises(ValueError, match=r"WarmupCosineLR\(warmup_num_steps=...\): must be >= 1"):
+        WarmupCosineLR(_sgd(1.0), 100, warmup_num_steps=0)
+    with pytest.raises(ValueError, match="warmup_num_steps"):
+        WarmupDecayLR(_sgd(1.0), 100, warmup_num_steps=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="warmup_type"):
         WarmupLR(_sgd(1.0), warmup_type="cosine")
     with pytest.raises(ValueError, match="warmup_type"):
@@ -349,11 +366,127 @@ def test_one_cycle_resumes_where_it_was():
     assert resumed.optimizer.param_groups[0]["betas"] == first.optimizer.param_groups[0]["betas"]
 
 
+def _one_cycle(**kw: Any) -> OneCycle:
+    return OneCycle(_adam(), cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_momentum=False, **kw)
+
+
+def test_one_cycle_stairs_hold_the_lr_over_each_part_of_a_half():
+    # 4 up, 6 down; 2 stairs up: flat over steps 1-2 of the way up (half the height), 3 down
+    schedule = _one_cycle(
+        cycle_first_step_size=4,
+        cycle_second_step_size=6,
+        cycle_first_stair_count=2,
+        cycle_second_stair_count=3,
+    )
+    lrs = [lr for lrs in _lrs_at(schedule, list(range(10))).values() for lr in lrs]
+    # step i has done i + 1 steps: up at 1..4 -> floor(done * 2 / 4) / 2, down at 5..10 ->
+    # floor((10 - done) * 3 / 6) / 3
+    assert lrs == pytest.approx([0.0, 0.5, 0.5, 1.0, 2 / 3, 2 / 3, 1 / 3, 1 / 3, 0.0, 0.0])
+    assert _one_cycle(cycle_first_step_size=4, cycle_first_stair_count=4).second_stair_count == 4
+
+
+def test_one_cycle_stairs_as_many_as_steps_are_the_continuous_cycle():
+    # whole steps decide the stair, so an uneven cycle's top is not floored a stair down
+    kw: dict[str, Any] = {"cycle_first_step_size": 10, "cycle_second_step_size": 21}
+    continuous = _lrs_at(_one_cycle(**kw), list(range(31)))
+    stairs = _lrs_at(
+        _one_cycle(**kw, cycle_first_stair_count=10, cycle_second_stair_count=21), list(range(31))
+    )
+    assert stairs == {i: [pytest.approx(lr[0])] for i, lr in continuous.items()}
+    assert stairs[9] == [1.0]
+
+
+def test_one_cycle_takes_one_value_per_group_for_lrs_and_betas():
+    opt = torch.optim.Adam(
+        [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in (0.1, 0.2)]
+    )
+    schedule = OneCycle(
+        opt,
+        cycle_min_lr=[0.001, 0.002],
+        cycle_max_lr=[0.01, 0.02],
+        cycle_min_mom=[0.8, 0.85],
+        cycle_max_mom=[0.9, 0.95],
+        cycle_first_step_size=5,
+    )
+    assert [g["betas"][0] for g in opt.param_groups] == [0.8, 0.85]  # before the first step
+    schedule.step(4)  # the top
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.01, 0.02])
+    moms = schedule.get_mom()
+    assert moms is not None
+    assert [beta1 for beta1, _ in moms] == pytest.approx([0.8, 0.85])
+    assert [beta2 for _, beta2 in moms] == [0.99, 0.99]
+    schedule.step(9)  # the end
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.9, 0.95])
+    with pytest.raises(ValueError, match=r"OneCycle\(cycle_max_mom=...\).*\(2\), got 3"):
+        OneCycle(opt, cycle_min_lr=0.1, cycle_max_lr=0.2, cycle_max_mom=[0.9, 0.9, 0.9])
+
+
+def test_one_cycle_without_a_second_half_drops_back_at_once():
+    schedule = _one_cycle(cycle_first_step_size=4, cycle_second_step_size=0)
+    assert schedule.step_ratio == 1.0
+    lrs = _lrs_at(schedule, [0, 2, 3, 4])
+    assert lrs == {0: [0.25], 2: [0.75], 3: [0.0], 4: [0.0]}  # the cycle is 4 steps long
+
+
 def test_one_cycle_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match=r"OneCycle\(cycle_first_step_size=...\): must be >= 1"):
         OneCycle(_adam(), cycle_min_lr=0.1, cycle_max_lr=0.5, cycle_first_step_size=0)
+    with pytest.raises(ValueError, match=r"OneCycle\(cycle_second_step_size=...\): must be >= 0"):
+        _one_cycle(cycle_first_step_size=4, cycle_second_step_size=-1)
+    with pytest.raises(
+        ValueError, match=r"OneCycle\(cycle_first_stair_count=...\): expected an int"
+    ):
+        _one_cycle(cycle_first_stair_count=1.5)
     with pytest.raises(ValueError, match=r"LRRangeTest\(lr_range_test_step_size=...\)"):
         LRRangeTest(_adam(), lr_range_test_step_size=1.5)  # type: ignore[arg-type]
+
+
+# --- tensor lrs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw", "first", "after_one"),
+    [
+        (LRRangeTest, {}, 1e-3, 1e-3 * (1 + 2 / 2000)),
+        (
+            OneCycle,
+            {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 10},
+            0.01,
+            0.01 + 0.09 * 2 / 10,
+        ),
+        (WarmupLR, {"warmup_num_steps": 10}, 0.0, 0.1 * math.log(2) / math.log(10)),
+        (
+            WarmupDecayLR,
+            {"total_num_steps": 100, "warmup_num_steps": 10, "warmup_max_lr": 0.1},
+            0.0,
+            0.1 * math.log(2) / math.log(10),
+        ),
+        (
+            WarmupCosineLR,
+            {"total_num_steps": 100, "warmup_num_steps": 10},
+            0.0,
+            0.1 * math.log(2) / math.log(10),
+        ),
+    ],
+)
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_a_tensor_lr_is_filled_in_place(
+    cls: type[WarmupScheduler],
+    kw: dict[str, Any],
+    first: float,
+    after_one: float,
+    shape: tuple[int, ...],
+) -> None:
+    lr = torch.full(shape, 0.1, dtype=torch.float64)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    schedule = cls(opt, **kw)
+    assert opt.param_groups[0]["lr"] is lr
+    assert lr.item() == pytest.approx(first)
+    schedule.step(1)
+    assert opt.param_groups[0]["lr"] is lr
+    assert (lr.shape, lr.dtype) == (shape, torch.float64)
+    assert lr.item() == pytest.approx(after_one)
+    assert schedule.get_last_lr() == [pytest.approx(after_one)]  # numbers, as get_lr's
 
 
 # --- build_scheduler --------------------------------------------------------------------------

@@ -11,7 +11,8 @@ warm-up factor is
 * ``linear``: ``i / W``, reaching 1 at ``i = W``.
 
 `WarmupLR` holds the learning rate at ``min_lr + (max_lr - min_lr) * factor`` and then at
-``max_lr``. `WarmupDecayLR` then decays linearly back to ``min_lr`` at ``total_num_steps``.
+``max_lr`` (each group's own lr when `warmup_max_lr` is not given). `WarmupDecayLR` then
+decays linearly back to ``min_lr`` at ``total_num_steps``.
 `WarmupCosineLR` works in ratios of each group's own learning rate: it warms from
 ``warmup_min_ratio`` to 1 and then follows a half cosine down to ``cos_min_ratio``, reached at
 step ``total_num_steps - 1``.
@@ -22,10 +23,13 @@ step ``total_num_steps - 1``.
 Adam's first beta the other way between `cycle_max_mom` and `cycle_min_mom`; after the cycle the
 lr is ``cycle_min_lr / (1 + decay_lr_rate * k / decay_step_size)`` at the k-th step past it
 (held at `cycle_min_lr` when either is 0) and the beta ``cycle_max_mom * (1 + decay_mom_rate *
-k / decay_step_size)``. As DeepSpeed's, it sets the second beta to 0.99, and the stair counts
-are accepted and unused.
+k / decay_step_size)``. As DeepSpeed's, it sets the second beta to 0.99, and a stair count
+holds the lr and beta flat over each of that many equal parts of its half of the cycle.
 
-Unlike DeepSpeed, bad arguments raise ``ValueError`` instead of being logged and replaced.
+A group whose lr is a tensor (torch's capturable and compiled optimizers) keeps that tensor: the
+schedule fills it in place, so whoever holds it sees the new lr. As DeepSpeed 0.19.8's; unlike
+DeepSpeed, bad arguments (an unknown `warmup_type` too) raise ``ValueError`` instead of being
+logged and replaced.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+import torch
 
 __all__ = [
     "WARMUP_LINEAR_RATE",
@@ -79,8 +85,8 @@ def _check_optimizer(cls: str, optimizer: object) -> _HasParamGroups:
 def _check_warmup(cls: str, warmup_num_steps: int, warmup_type: str) -> None:
     if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int):
         raise ValueError(f"{cls}(warmup_num_steps=...): expected an int, got {warmup_num_steps!r}")
-    if warmup_num_steps < 0:
-        raise ValueError(f"{cls}(warmup_num_steps=...): must be >= 0, got {warmup_num_steps}")
+    if warmup_num_steps < 1:
+        raise ValueError(f"{cls}(warmup_num_steps=...): must be >= 1, got {warmup_num_steps}")
     if warmup_type not in _WARMUP_TYPES:
         raise ValueError(
             f"{cls}(warmup_type=...): expected one of {list(_WARMUP_TYPES)}, got {warmup_type!r}"
@@ -92,6 +98,13 @@ def _check_steps(cls: str, name: str, value: object, *, least: int) -> int:
         raise ValueError(f"{cls}({name}=...): expected an int, got {value!r}")
     if value < least:
         raise ValueError(f"{cls}({name}=...): must be >= {least}, got {value}")
+    return value
+
+
+def _check_count(cls: str, name: str, value: object) -> int:
+    # A stair count: any int, and 0 or less means none (DeepSpeed's flags default to -1).
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{cls}({name}=...): expected an int, got {value!r}")
     return value
 
 
@@ -146,8 +159,11 @@ class WarmupScheduler(ABC):
 
     def _apply(self, lrs: list[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # the same tensor: a compiled step may have captured it
+            else:
+                group["lr"] = lr
+        self._last_lr = list(lrs)
 
     @abstractmethod
     def get_lr(self) -> list[float]:
@@ -185,8 +201,10 @@ class WarmupLR(WarmupScheduler):
     Args:
         optimizer: a torch optimizer (or anything exposing its ``param_groups``).
         warmup_min_lr: the lr at step 0; a float, or one per param group.
-        warmup_max_lr: the lr after warm-up; a float, or one per param group.
-        warmup_num_steps: the warm-up length (raised to 2 if smaller, as in DeepSpeed).
+        warmup_max_lr: the lr after warm-up; a float, or one per param group; None (the
+            default): each group's lr as the optimizer has it.
+        warmup_num_steps: the warm-up length, at least 1 (raised to 2 if smaller, as in
+            DeepSpeed).
         warmup_type: ``"log"`` or ``"linear"``.
         last_batch_iteration: the last step taken; -1 to start from scratch.
     """
@@ -195,7 +213,7 @@ class WarmupLR(WarmupScheduler):
         self,
         optimizer: _HasParamGroups,
         warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_max_lr: float | Sequence[float] | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = WARMUP_LOG_RATE,
         last_batch_iteration: int = -1,
@@ -203,9 +221,11 @@ class WarmupLR(WarmupScheduler):
         name = type(self).__name__
         _check_warmup(name, warmup_num_steps, warmup_type)
         super().__init__(optimizer, last_batch_iteration)
-        num_groups = len(self.optimizer.param_groups)
-        self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, num_groups)
-        self.max_lrs = _per_group(name, "warmup_max_lr", warmup_max_lr, num_groups)
+        groups = self.optimizer.param_groups
+        if warmup_max_lr is None:
+            warmup_max_lr = [float(group["lr"]) for group in groups]  # DeepSpeed 0.19's default
+        self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, len(groups))
+        self.max_lrs = _per_group(name, "warmup_max_lr", warmup_max_lr, len(groups))
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs, strict=True)]
         self.warmup_num_steps = max(_MIN_WARMUP_STEPS, warmup_num_steps)
         self.warmup_type = warmup_type
@@ -238,8 +258,9 @@ class WarmupDecayLR(WarmupLR):
         optimizer: a torch optimizer (or anything exposing its ``param_groups``).
         total_num_steps: the step at which the lr is back at `warmup_min_lr`; at least
             `warmup_num_steps`.
-        warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration:
-            as for `WarmupLR`.
+        warmup_max_lr: the lr after warm-up; a float, or one per param group (0.001 when not
+            given, DeepSpeed's default here, not the optimizer's lr as for `WarmupLR`).
+        warmup_min_lr, warmup_num_steps, warmup_type, last_batch_iteration: as for `WarmupLR`.
     """
 
     def __init__(
@@ -387,13 +408,17 @@ class OneCycle(WarmupScheduler):
         cycle_min_lr: the lr at the start and end of the cycle; a float, or one per group.
         cycle_max_lr: the lr at the top of the cycle; a float, or one per group.
         decay_lr_rate: how fast the lr decays after the cycle (0: it stays at cycle_min_lr).
-        cycle_first_step_size: steps going up.
-        cycle_second_step_size: steps coming down (None: as many as going up).
-        cycle_first_stair_count, cycle_second_stair_count: accepted, unused (as in DeepSpeed).
+        cycle_first_step_size: steps going up (at least 1).
+        cycle_second_step_size: steps coming down (None: as many as going up; 0: the lr drops
+            back to cycle_min_lr at once).
+        cycle_first_stair_count: hold the lr (and beta) flat over each of this many equal
+            parts of the way up; 0 (or less): change them every step.
+        cycle_second_stair_count: the same on the way down (None: `cycle_first_stair_count`).
         decay_step_size: steps per unit of decay after the cycle (0: no decay).
         cycle_momentum: move the first beta against the lr, where the optimizer has betas.
-        cycle_min_mom: the first beta at the top of the cycle.
-        cycle_max_mom: the first beta at the start and end of the cycle.
+        cycle_min_mom: the first beta at the top of the cycle; a float, or one per group.
+        cycle_max_mom: the first beta at the start and end of the cycle; a float, or one per
+            group.
         decay_mom_rate: how fast the first beta grows after the cycle (0: it stays).
         last_batch_iteration: the last step taken; -1 to start from scratch.
     """
@@ -410,8 +435,8 @@ class OneCycle(WarmupScheduler):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8,
-        cycle_max_mom: float = 0.9,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
         decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
@@ -420,15 +445,25 @@ class OneCycle(WarmupScheduler):
         groups = len(self.optimizer.param_groups)
         self.min_lrs = _per_group(name, "cycle_min_lr", cycle_min_lr, groups)
         self.max_lrs = _per_group(name, "cycle_max_lr", cycle_max_lr, groups)
-        up = _check_steps(name, "cycle_first_step_size", cycle_first_step_size, least=1)
-        down = up if cycle_second_step_size is None else cycle_second_step_size
-        down = _check_steps(name, "cycle_second_step_size", down, least=1)
-        self.total_size = up + down
-        self.step_ratio = up / self.total_size
+        self.min_moms = _per_group(name, "cycle_min_mom", cycle_min_mom, groups)
+        self.max_moms = _per_group(name, "cycle_max_mom", cycle_max_mom, groups)
+        self.first_step_size = _check_steps(
+            name, "cycle_first_step_size", cycle_first_step_size, least=1
+        )
+        down = self.first_step_size if cycle_second_step_size is None else cycle_second_step_size
+        self.second_step_size = _check_steps(name, "cycle_second_step_size", down, least=0)
+        self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size
+        self.first_stair_count = _check_count(
+            name, "cycle_first_stair_count", cycle_first_stair_count
+        )
+        second_stairs = (
+            self.first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
+        self.second_stair_count = _check_count(name, "cycle_second_stair_count", second_stairs)
         self.decay_step_size = _check_steps(name, "decay_step_size", decay_step_size, least=0)
         self.decay_lr_rate = float(decay_lr_rate)
         self.decay_mom_rate = float(decay_mom_rate)
-        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
         self.cycle_momentum = bool(cycle_momentum)
         if self.cycle_momentum and "betas" not in getattr(self.optimizer, "defaults", {}):
             log.warning(
@@ -440,9 +475,21 @@ class OneCycle(WarmupScheduler):
 
     def _scale(self) -> float:
         """Where step ``i`` is in the cycle: 0 at the ends, 1 at the top."""
-        x = (self.last_batch_iteration + 1) / self.total_size
+        done = self.last_batch_iteration + 1
+        x = done / self.total_size
         x -= math.floor(x)
-        return x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        up = x <= self.step_ratio
+        stairs = self.first_stair_count if up else self.second_stair_count
+        if stairs > 0:
+            # counted from the whole steps, not from x: a float a hair under a stair's edge
+            # (an uneven cycle's top, say) would floor a whole stair down
+            at = done % self.total_size
+            if at <= self.first_step_size:
+                position = at * stairs / self.first_step_size
+            else:
+                position = (self.total_size - at) * stairs / self.second_step_size
+            return math.floor(position) / stairs
+        return x / self.step_ratio if up else (x - 1) / (self.step_ratio - 1)
 
     def _decay_units(self, rate: float) -> float | None:
         """``rate * k / decay_step_size`` at the k-th step past the cycle; None: no decay."""
@@ -466,19 +513,21 @@ class OneCycle(WarmupScheduler):
         the optimizer holds `cycle_min_mom` then, as DeepSpeed sets it."""
         if not self.cycle_momentum:
             return None
-        return [(self._beta1(), _ONE_CYCLE_BETA2)] * len(self.optimizer.param_groups)
+        return [(beta1, _ONE_CYCLE_BETA2) for beta1 in self._beta1s()]
 
-    def _beta1(self) -> float:
+    def _beta1s(self) -> list[float]:
         if self.last_batch_iteration < self.total_size:
-            return self.max_mom - (self.max_mom - self.min_mom) * self._scale()
+            scale = self._scale()
+            pairs = zip(self.min_moms, self.max_moms, strict=True)
+            return [hi - (hi - lo) * scale for lo, hi in pairs]
         units = self._decay_units(self.decay_mom_rate)
-        return self.max_mom if units is None else self.max_mom * (1 + units)
+        return list(self.max_moms) if units is None else [hi * (1 + units) for hi in self.max_moms]
 
     def _apply(self, lrs: list[float]) -> None:
         super()._apply(lrs)
         if self.cycle_momentum:
-            beta1 = self.min_mom if self.last_batch_iteration < 0 else self._beta1()
-            for group in self.optimizer.param_groups:
+            beta1s = self.min_moms if self.last_batch_iteration < 0 else self._beta1s()
+            for group, beta1 in zip(self.optimizer.param_groups, beta1s, strict=True):
                 group["betas"] = (beta1, _ONE_CYCLE_BETA2)
 
 
