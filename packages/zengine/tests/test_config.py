@@ -13,7 +13,14 @@ import pydantic
 import pytest
 import torch
 
-from zengine._config import ConfigError, EngineConfig, load_config
+from zengine._config import (
+    BF16Config,
+    ConfigError,
+    EngineConfig,
+    load_config,
+    read_section,
+    resolve_batch_sizes,
+)
 from zpartition import ZeroParamConfig
 
 # The config of DeepSpeed's test_zero_context_return.py (seeds/000_339ec31897b12b43.txt).
@@ -607,6 +614,15 @@ def test_a_feature_that_would_change_the_training_is_refused() -> None:
     ]
 
 
+def test_zenflow_is_a_deepspeed_feature_zengine_refuses_not_an_unknown_key() -> None:
+    assert _problems(_zero(stage=2, zenflow={"topk_ratio": 0.1})) == [
+        "zero_optimization.zenflow: DeepSpeed's ZenFlow (optimizer steps overlapped with "
+        "training), which zengine does not implement (got {'topk_ratio': 0.1}); remove the key "
+        "or set it to null"
+    ]
+    assert load_config(_zero(stage=2, zenflow=None), world_size=1).zero_stage == 2
+
+
 def test_a_misspelt_deepspeed_key_is_still_unknown() -> None:
     assert _problems({"train_batch_size": 1, "zero_optimization": {"mics_shard_sise": 4}}) == [
         "zero_optimization.mics_shard_sise: unknown key; did you mean 'mics_shard_size'?"
@@ -802,20 +818,21 @@ TRAIN, MICRO, ACC = (
 )
 
 
-@pytest.mark.parametrize(
-    ("given", "world_size", "resolved"),
-    [
-        ({TRAIN: 32}, 1, (32, 32, 1)),
-        ({TRAIN: 32}, 4, (32, 8, 1)),
-        ({MICRO: 4}, 1, (4, 4, 1)),
-        ({MICRO: 4}, 8, (32, 4, 1)),
-        ({TRAIN: 32, MICRO: 4}, 2, (32, 4, 4)),
-        ({TRAIN: 32, ACC: 2}, 2, (32, 8, 2)),
-        ({MICRO: 4, ACC: 2}, 2, (16, 4, 2)),
-        ({TRAIN: 16, MICRO: 4, ACC: 2}, 2, (16, 4, 2)),
-        ({TRAIN: 1}, 1, (1, 1, 1)),
-    ],
-)
+# the arithmetic of the batch sizes: what is given, over how many ranks, and what it resolves to
+DERIVED_BATCHES = [
+    ({TRAIN: 32}, 1, (32, 32, 1)),
+    ({TRAIN: 32}, 4, (32, 8, 1)),
+    ({MICRO: 4}, 1, (4, 4, 1)),
+    ({MICRO: 4}, 8, (32, 4, 1)),
+    ({TRAIN: 32, MICRO: 4}, 2, (32, 4, 4)),
+    ({TRAIN: 32, ACC: 2}, 2, (32, 8, 2)),
+    ({MICRO: 4, ACC: 2}, 2, (16, 4, 2)),
+    ({TRAIN: 16, MICRO: 4, ACC: 2}, 2, (16, 4, 2)),
+    ({TRAIN: 1}, 1, (1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize(("given", "world_size", "resolved"), DERIVED_BATCHES)
 def test_batch_sizes_are_derived(
     given: dict[str, int], world_size: int, resolved: tuple[int, int, int]
 ) -> None:
@@ -835,46 +852,52 @@ def test_batch_sizes_are_derived(
     )
 
 
+# batch sizes that do not add up (the field checks' problems are below)
+BAD_BATCHES = [
+    (
+        {TRAIN: 32, MICRO: 4, ACC: 2},
+        2,
+        "train_batch_size 32 != train_micro_batch_size_per_gpu 4 * "
+        "gradient_accumulation_steps 2 * world size 2 = 16",
+    ),
+    (
+        {TRAIN: 30, MICRO: 4},
+        2,
+        "gradient_accumulation_steps: cannot be derived: train_batch_size 30 is not "
+        "divisible by train_micro_batch_size_per_gpu 4 * world size 2 = 8",
+    ),
+    (
+        {TRAIN: 4, MICRO: 4},
+        2,
+        "gradient_accumulation_steps: cannot be derived: train_batch_size 4 is not "
+        "divisible by train_micro_batch_size_per_gpu 4 * world size 2 = 8",
+    ),
+    (
+        {TRAIN: 30, ACC: 4},
+        2,
+        "train_micro_batch_size_per_gpu: cannot be derived: train_batch_size 30 is not "
+        "divisible by gradient_accumulation_steps 4 * world size 2 = 8",
+    ),
+    (
+        {TRAIN: 3},
+        2,
+        "train_micro_batch_size_per_gpu: cannot be derived: train_batch_size 3 is not "
+        "divisible by gradient_accumulation_steps 1 * world size 2 = 2",
+    ),
+    (
+        {ACC: 4},
+        1,
+        "train_batch_size: not given, and neither is train_micro_batch_size_per_gpu; give "
+        "at least one of them (train_batch_size = train_micro_batch_size_per_gpu * "
+        "gradient_accumulation_steps * world size)",
+    ),
+]
+
+
 @pytest.mark.parametrize(
     ("given", "world_size", "problem"),
     [
-        (
-            {TRAIN: 32, MICRO: 4, ACC: 2},
-            2,
-            "train_batch_size 32 != train_micro_batch_size_per_gpu 4 * "
-            "gradient_accumulation_steps 2 * world size 2 = 16",
-        ),
-        (
-            {TRAIN: 30, MICRO: 4},
-            2,
-            "gradient_accumulation_steps: cannot be derived: train_batch_size 30 is not "
-            "divisible by train_micro_batch_size_per_gpu 4 * world size 2 = 8",
-        ),
-        (
-            {TRAIN: 4, MICRO: 4},
-            2,
-            "gradient_accumulation_steps: cannot be derived: train_batch_size 4 is not "
-            "divisible by train_micro_batch_size_per_gpu 4 * world size 2 = 8",
-        ),
-        (
-            {TRAIN: 30, ACC: 4},
-            2,
-            "train_micro_batch_size_per_gpu: cannot be derived: train_batch_size 30 is not "
-            "divisible by gradient_accumulation_steps 4 * world size 2 = 8",
-        ),
-        (
-            {TRAIN: 3},
-            2,
-            "train_micro_batch_size_per_gpu: cannot be derived: train_batch_size 3 is not "
-            "divisible by gradient_accumulation_steps 1 * world size 2 = 2",
-        ),
-        (
-            {ACC: 4},
-            1,
-            "train_batch_size: not given, and neither is train_micro_batch_size_per_gpu; give "
-            "at least one of them (train_batch_size = train_micro_batch_size_per_gpu * "
-            "gradient_accumulation_steps * world size)",
-        ),
+        *BAD_BATCHES,
         ({TRAIN: 0}, 1, "train_batch_size: must be >= 1, got 0"),
         ({MICRO: 2, ACC: 0}, 1, "gradient_accumulation_steps: must be >= 1, got 0"),
         ({TRAIN: 8.0}, 1, "train_batch_size: expected an integer, got 8.0"),
@@ -883,6 +906,64 @@ def test_batch_sizes_are_derived(
 )
 def test_bad_batch_sizes(given: dict[str, Any], world_size: int, problem: str) -> None:
     assert _problems(given, world_size) == [problem]
+
+
+@pytest.mark.parametrize(("given", "world_size", "expected"), [*DERIVED_BATCHES, *BAD_BATCHES])
+def test_batch_sizes_resolve_on_their_own_as_in_a_config(
+    given: dict[str, int], world_size: int, expected: tuple[int, int, int] | str
+) -> None:
+    """What DeepSpeed's ``DeepSpeedConfig._configure_train_batch_size`` does after its batch
+    sizes were changed: the same arithmetic and the same problems as `load_config`'s."""
+    sizes = (given.get(TRAIN), given.get(MICRO), given.get(ACC))
+    if isinstance(expected, tuple):
+        assert resolve_batch_sizes(*sizes, world_size=world_size) == expected
+    else:
+        with pytest.raises(ConfigError) as raised:
+            resolve_batch_sizes(*sizes, world_size=world_size)
+        assert raised.value.problems == (expected,)
+
+
+@pytest.mark.parametrize(("key", "value"), [(TRAIN, 0), (MICRO, 2.0), (ACC, True)])
+def test_batch_sizes_on_their_own_must_be_positive_ints(key: str, value: Any) -> None:
+    sizes = {TRAIN: 4, MICRO: None, ACC: None, key: value}
+    with pytest.raises(ConfigError, match=f"^{key}: expected a positive integer, got {value!r}$"):
+        resolve_batch_sizes(sizes[TRAIN], sizes[MICRO], sizes[ACC], world_size=1)
+
+
+# --- one section on its own -----------------------------------------------------------------
+
+
+def test_a_section_reads_on_its_own_with_its_defaults() -> None:
+    """DeepSpeed's ``get_bfloat16_config(param_dict)``: no batch sizes needed."""
+    bf16 = read_section({"bfloat16": {"enabled": True}}, "bf16")
+    assert isinstance(bf16, BF16Config)
+    assert bf16.enabled is True
+    assert read_section({"bf16": {"enabled": True}}, "bfloat16") == bf16
+    assert (
+        read_section({}, "zero_optimization")
+        == load_config({TRAIN: 1}, world_size=1).zero_optimization
+    )
+    # DeepSpeed keys of features zengine lacks: set aside as load_config sets them
+    assert read_section({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16") == bf16
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "problem"),
+    [
+        ({"bf16": {"enabled": "yes"}}, "bf16", "bf16.enabled: expected true or false, got 'yes'"),
+        ({}, "steps_per_print", "steps_per_print: not a section of the config (sections: fp16, "),
+        ({}, "bf17", "bf17: not a section of the config"),
+        (
+            {"zero_optimization": {"zenflow": {}}},
+            "zero_optimization",
+            "zero_optimization.zenflow: DeepSpeed's ZenFlow",
+        ),
+    ],
+)
+def test_a_bad_section_on_its_own_names_the_key(config: Any, key: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        read_section(config, key)
+    assert raised.value.problems[0].startswith(problem)
 
 
 STAGE3_KEYS = {
@@ -901,6 +982,8 @@ def test_stage3_keys_without_their_prefix() -> None:
     and its own tests write them so."""
     zero = load_config(_zero(stage=3, **STAGE3_KEYS), world_size=1).zero_optimization
     assert {k: getattr(zero, f"stage3_{k}") for k in STAGE3_KEYS} == STAGE3_KEYS
+    # and read back under DeepSpeed's attribute names (DeepSpeedZeroConfig's)
+    assert {k: getattr(zero, k) for k in STAGE3_KEYS} == STAGE3_KEYS
     assert _problems(_zero(stage=3, max_live_parameters=1, stage3_max_live_parameters=2)) == [
         "zero_optimization.max_live_parameters: the same key as 'stage3_max_live_parameters' "
         "(another of its names); give only one"

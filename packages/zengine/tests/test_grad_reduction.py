@@ -195,7 +195,10 @@ class TestEngineAccessors(DistributedTest):
 @pytest.mark.parametrize(
     ("given", "problem"),
     [
-        ({"gradient_allreduce_op": "max"}, "gradient_allreduce_op: expected 'mean' or 'sum'"),
+        (
+            {"gradient_allreduce_op": "max"},
+            "gradient_allreduce_op: Invalid gradient_allreduce_op 'max': expected 'mean' or 'sum'",
+        ),
         ({"gradient_predivide_factor": 0}, "gradient_predivide_factor: must be > 0, got 0"),
         ({"gradient_predivide_factor": True}, "gradient_predivide_factor: expected a number"),
         ({"prescale_gradients": "yes"}, "prescale_gradients: expected true or false"),

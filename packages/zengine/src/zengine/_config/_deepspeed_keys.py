@@ -135,6 +135,7 @@ _KEYS = (
     ),
     _Key((_ZERO, "legacy_stage1"), "legacy stage 1", _is(False), "false"),
     _Key((_ZERO, "zeropp_loco_param"), "ZeRO++ LoCo", _empty, "null"),
+    _Key((_ZERO, "zenflow"), "ZenFlow (optimizer steps overlapped with training)", _is(), "null"),
     _Key((_ZERO, "pipeline_loading_checkpoint"), "pipelined loading", _is(False), "false"),
     _Key((*_OPT, "ratio"), "partial optimizer offload", _is(1, 1.0), "1.0"),
 )

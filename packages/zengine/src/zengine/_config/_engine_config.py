@@ -19,6 +19,7 @@ import hjson  # type: ignore[import-untyped]
 import torch
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 
+from zengine._config._batch import resolve_batch
 from zengine._config._deepspeed_keys import keys_at, set_aside
 from zengine._config._errors import ConfigError, config_error, describe_validation_error, show
 from zengine._config._grad_reduction import GradReduction
@@ -40,15 +41,16 @@ from zengine._config._sections import (
 )
 from zpartition import ZeroParamConfig
 
-__all__ = ["ConfigError", "ConfigSource", "EngineConfig", "load_config", "read_config"]
+__all__ = [
+    "ConfigError",
+    "ConfigSource",
+    "EngineConfig",
+    "load_config",
+    "read_config",
+    "read_section",
+]
 
 log = logging.getLogger("zengine")
-
-_TRAIN, _MICRO, _ACCUMULATION = (
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-)
 
 _Positive = Annotated[int, Field(ge=1)]
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -112,7 +114,14 @@ class _Sections(Section):
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
     def _lower_op(cls, value: object) -> object:
-        return value.lower() if isinstance(value, str) else value  # DeepSpeed lowercases it
+        if not isinstance(value, str):
+            return value  # the type check says what is wrong
+        if value.lower() not in ("mean", "sum"):
+            # DeepSpeed's opening words, which its users' checks match
+            raise config_error(
+                f"Invalid gradient_allreduce_op {show(value)}: expected 'mean' or 'sum' (any case)"
+            )
+        return value.lower()
 
     host_memory_trim: Literal["idle", "step", "off"] = "idle"
     """On CPU, when the engine hands the heap's freed memory back to the system ([Note:
@@ -244,7 +253,7 @@ def load_config(config: ConfigSource, *, world_size: int) -> EngineConfig:
         problems += describe_validation_error(error, _GivenConfig, keys_at)
     problems += aside.problems
     problems += _precision_problems(data)
-    batch, batch_problems = _resolve_batch(data, world_size)
+    batch, batch_problems = resolve_batch(data, world_size)
     problems += batch_problems
     if problems or given is None or batch is None:
         raise ConfigError(problems)
@@ -264,6 +273,38 @@ def load_config(config: ConfigSource, *, world_size: int) -> EngineConfig:
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accumulation,
     )
+
+
+def read_section(config: ConfigSource, key: str) -> Section:
+    """The section `key` of a DeepSpeed config (``"bf16"`` or its alias ``"bfloat16"``,
+    ``"zero_optimization"``, ...), validated as `load_config` validates it, and its defaults
+    when the config has none; the rest of the config is not read (DeepSpeed's
+    ``get_bfloat16_config(param_dict)`` and the like, which need no batch sizes).
+
+    Raises:
+        ConfigError: `key` is no section of the config, or the section's problems.
+    """
+    sections = {
+        name: field
+        for name, field in _Sections.model_fields.items()
+        if isinstance(field.get_default(call_default_factory=True), Section)
+    }
+    name = _Sections._field_of(key)
+    if name is None or name not in sections:
+        raise ConfigError([f"{key}: not a section of the config (sections: {', '.join(sections)})"])
+    data = read_config(config)
+    given = {k: v for k, v in data.items() if _Sections._field_of(str(k)) == name}
+    aside = set_aside(given)  # [Note: DeepSpeed keys without a feature]
+    try:
+        validated = _Sections.model_validate(aside.data)
+    except ValidationError as error:
+        raise ConfigError(
+            describe_validation_error(error, _Sections, keys_at) + aside.problems
+        ) from None
+    if aside.problems:
+        raise ConfigError(aside.problems)
+    section: Section = getattr(validated, name)
+    return section
 
 
 def read_config(config: object) -> dict[Any, Any]:
@@ -338,60 +379,3 @@ def _precision_problems(data: Mapping[Any, Any]) -> list[str]:
             f"dtype works at stage 3 only (the stage is {stage})"
         ]
     return []
-
-
-def _given_batch_size(data: Mapping[Any, Any], key: str) -> int | None:
-    value = data.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _resolve_batch(
-    data: Mapping[Any, Any], world: int
-) -> tuple[tuple[int, int, int] | None, list[str]]:
-    """``(train, micro, accumulation)`` derived as DeepSpeed does, or the problems found."""
-    given = {key: _given_batch_size(data, key) for key in (_TRAIN, _MICRO, _ACCUMULATION)}
-    if any(data.get(key) is not None and (v is None or v < 1) for key, v in given.items()):
-        return None, []  # a batch size of the wrong type or range: the field check says so
-    train, micro, accumulation = given[_TRAIN], given[_MICRO], given[_ACCUMULATION]
-    if micro is None:
-        if train is None:
-            return None, [
-                f"{_TRAIN}: not given, and neither is {_MICRO}; give at least one of them "
-                f"({_TRAIN} = {_MICRO} * {_ACCUMULATION} * world size)"
-            ]
-        return _derive_micro(train, accumulation or 1, world)
-    if accumulation is None:
-        if train is not None:
-            return _derive_accumulation(train, micro, world)
-        accumulation = 1
-    product = micro * accumulation * world
-    if train is not None and train != product:
-        return None, [
-            f"{_TRAIN} {train} != {_MICRO} {micro} * {_ACCUMULATION} {accumulation} "
-            f"* world size {world} = {product}"
-        ]
-    return (product, micro, accumulation), []
-
-
-def _derive_micro(
-    train: int, accumulation: int, world: int
-) -> tuple[tuple[int, int, int] | None, list[str]]:
-    per_micro_batch = accumulation * world
-    if train % per_micro_batch:
-        return None, [
-            f"{_MICRO}: cannot be derived: {_TRAIN} {train} is not divisible by "
-            f"{_ACCUMULATION} {accumulation} * world size {world} = {per_micro_batch}"
-        ]
-    return (train, train // per_micro_batch, accumulation), []
-
-
-def _derive_accumulation(
-    train: int, micro: int, world: int
-) -> tuple[tuple[int, int, int] | None, list[str]]:
-    per_step = micro * world
-    if train % per_step:
-        return None, [
-            f"{_ACCUMULATION}: cannot be derived: {_TRAIN} {train} is not divisible by "
-            f"{_MICRO} {micro} * world size {world} = {per_step}"
-        ]
-    return (train, micro, train // per_step), []

@@ -509,6 +509,44 @@ class ZeroConfig(Section):
         default_factory=LeafModuleConfig
     )
 
+    # DeepSpeed's DeepSpeedZeroConfig names the stage3_ fields without the prefix (its tests and
+    # Accelerate read ``zero_config.gather_16bit_weights_on_model_save``): the same values
+
+    @property
+    def prefetch_bucket_size(self) -> int:
+        """``stage3_prefetch_bucket_size``, under DeepSpeed's attribute name."""
+        return self.stage3_prefetch_bucket_size
+
+    @property
+    def param_persistence_threshold(self) -> int:
+        """``stage3_param_persistence_threshold``, under DeepSpeed's attribute name."""
+        return self.stage3_param_persistence_threshold
+
+    @property
+    def model_persistence_threshold(self) -> int:
+        """``stage3_model_persistence_threshold``, under DeepSpeed's attribute name."""
+        return self.stage3_model_persistence_threshold
+
+    @property
+    def max_live_parameters(self) -> int:
+        """``stage3_max_live_parameters``, under DeepSpeed's attribute name."""
+        return self.stage3_max_live_parameters
+
+    @property
+    def max_reuse_distance(self) -> int:
+        """``stage3_max_reuse_distance``, under DeepSpeed's attribute name."""
+        return self.stage3_max_reuse_distance
+
+    @property
+    def module_granularity_threshold(self) -> int:
+        """``stage3_module_granularity_threshold``, under DeepSpeed's attribute name."""
+        return self.stage3_module_granularity_threshold
+
+    @property
+    def gather_16bit_weights_on_model_save(self) -> bool:
+        """``stage3_gather_16bit_weights_on_model_save``, under DeepSpeed's attribute name."""
+        return self.stage3_gather_16bit_weights_on_model_save
+
     @model_validator(mode="before")
     @classmethod
     def _overlap_default(cls, data: Any) -> Any:
