@@ -7,7 +7,8 @@ agreement (_sync.py), a pipeline's checkpoint in stages (_stages.py, _stage_layo
 _stage_reshape.py), ``zengine consolidate`` and zero_to_fp32's reading (_consolidate.py), the
 16-bit model save (_save_16bit.py), and Hugging Face safetensors: the format (_safetensors.py),
 a checkpoint's files (_safetensors_checkpoint.py) and a load into a ZeRO-3 model
-(_safetensors_load.py). Its errors are in _errors.py. It reads the engine through its
+(_safetensors_load.py), and DeepSpeed's universal checkpoint written from ours (_universal_write.py,
+_universal_layout.py). Its errors are in _errors.py. It reads the engine through its
 attributes and never imports it.
 """
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from zengine._checkpoint._save_load import load_checkpoint, save_checkpoint
     from zengine._checkpoint._stage_layout import StageLayout
     from zengine._checkpoint._stages import load_stages, save_stages
+    from zengine._checkpoint._universal_write import export_universal
 
 __all__ = [
     "DEFAULT_BUDGET",
@@ -55,6 +57,7 @@ __all__ = [
     "consolidate",
     "consolidate_shards",
     "contents_of",
+    "export_universal",
     "fp32_state_dict",
     "gathered_state",
     "load_checkpoint",
@@ -84,6 +87,7 @@ _LAZY = {
     "_save_load": ("load_checkpoint", "save_checkpoint"),
     "_stage_layout": ("StageLayout",),
     "_stages": ("load_stages", "save_stages"),
+    "_universal_write": ("export_universal",),
 }
 _MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
 
