@@ -532,12 +532,14 @@ class Engine(nn.Module):
         client_state: dict[str, Any] | None,
         save_latest: bool,
         exclude_frozen: bool,
+        universal: bool = False,
     ) -> bool:
-        """One directory per tag (the pipeline engine writes one per stage under it)."""
+        """One directory per tag (the pipeline engine writes one per stage under it), and
+        with `universal` DeepSpeed's universal checkpoint of it beside it."""
         from zengine import _checkpoint
 
         return _checkpoint.save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen
+            self, save_dir, tag, client_state, save_latest, exclude_frozen, universal=universal
         )
 
     def _read_checkpoint(
@@ -570,15 +572,20 @@ class Engine(nn.Module):
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        *,
+        universal: bool = False,
     ) -> bool:
         """Save model, masters, optimizer, scheduler, loss scale, counters, RNG states and
         `client_state` under ``save_dir/tag``, then point ``save_dir/latest`` at it; without
         the frozen parameters with `exclude_frozen_parameters` (load those checkpoints with
-        ``load_module_strict=False``). Collective."""
+        ``load_module_strict=False``). With `universal`, also DeepSpeed's universal checkpoint
+        of it in ``save_dir/<tag>_universal``, named by ``save_dir/latest_universal`` (which
+        DeepSpeed loads with ``"checkpoint": {"load_universal": true}``; written by rank 0).
+        Collective."""
         self._trainer("save_checkpoint()")
         self._offloaded.require(self, "save_checkpoint()", OffloadStateTypeEnum)
         return self._write_checkpoint(
-            save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+            save_dir, tag, client_state, save_latest, exclude_frozen_parameters, universal
         )
 
     def load_checkpoint(

@@ -91,10 +91,14 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    *,
+    universal: bool = False,
 ) -> bool:
     """Save everything training needs to resume exactly; every rank must call it. With
     `exclude_frozen_parameters` the frozen parameters are left out (DeepSpeed's: a PEFT
-    adapter's checkpoint without the base model), to be loaded with ``load_module_strict=False``."""
+    adapter's checkpoint without the base model), to be loaded with ``load_module_strict=False``.
+    With `universal`, rank 0 then writes the saved checkpoint as DeepSpeed's universal checkpoint
+    in ``save_dir/<tag>_universal`` (and, with `save_latest`, ``save_dir/latest_universal``)."""
     sync = engine_sync(engine)
     sync.arrive("save_checkpoint")
     optimizer_of(engine).resident()  # offloaded to NVMe (offload_optimizer/param): read it back
@@ -131,7 +135,24 @@ def save_checkpoint(
         size / 2**20,
         time.perf_counter() - start,
     )
+    if universal:
+        _export_universal(sync, root / tag, save_latest)
     return True
+
+
+def _export_universal(sync: Sync, saved: Path, latest: bool) -> None:
+    """Rank 0 writes DeepSpeed's universal checkpoint of `saved` beside it; every rank raises
+    if that fails (`saved` and ``latest`` stay: the checkpoint itself is good)."""
+    from zengine._checkpoint._universal_write import export_universal
+
+    out = saved.with_name(f"{saved.name}_universal")
+    error = None
+    if sync.rank == 0:
+        try:  # its files were checksummed just now: not read twice
+            export_universal(saved, out, latest=latest, verify=False)
+        except Exception as exc:  # any failure, so that no rank waits for rank 0 in vain
+            error = exc
+    sync.agree(f"save_checkpoint: DeepSpeed's universal checkpoint {out} (rank 0)", error)
 
 
 def _write(

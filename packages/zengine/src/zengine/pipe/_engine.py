@@ -156,8 +156,14 @@ class PipelineEngine(Engine):
         client_state: dict[str, Any] | None,
         save_latest: bool,
         exclude_frozen: bool,
+        universal: bool = False,
     ) -> bool:
         """One checkpoint per stage under one 'latest' (pipe/_checkpoint.py)."""
+        if universal:  # refused alike on every rank, before anything is written
+            raise ValueError(
+                "save_checkpoint(universal=True): DeepSpeed's universal checkpoint of a pipeline "
+                "(one checkpoint per stage) is not written yet; save without it"
+            )
         from zengine.pipe import _checkpoint  # at first use, as the base class's
 
         return _checkpoint.save_checkpoint(
