@@ -304,7 +304,7 @@ class Engine(nn.Module):
     ) -> torch.Tensor:
         """Backpropagate `loss` (divided by the accumulation steps, times the fp16 loss scale)
         and reduce the gradients as the ZeRO stage says. Returns the loss divided by the
-        accumulation steps (not by the loss scale), as DeepSpeed's."""
+        accumulation steps (not by the loss scale), in the loss's dtype, as DeepSpeed's."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
             raise TypeError(
@@ -331,7 +331,8 @@ class Engine(nn.Module):
         if boundary:
             self._reduction = "done" if reduce else "pending"
         self.progress.record_loss(loss)
-        return share
+        # fp32 above, so a half loss is scaled without rounding; the caller gets its own dtype
+        return share.to(loss.dtype)
 
     def allreduce_gradients(self, bucket_size: int | None = None) -> None:
         """Reduce this accumulation's gradients across the ranks now, if no backward did: with
