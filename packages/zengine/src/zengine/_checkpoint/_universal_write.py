@@ -62,7 +62,7 @@ def export_universal(
     export there; with `latest`, ``latest_universal`` beside it names it (what DeepSpeed's
     ``load_checkpoint`` reads when given no tag). With `verify` the checkpoint's files are
     first checked against their CRCs. Returns `out_dir`."""
-    directory = files.resolve(checkpoint, tag)
+    directory = _zstack_checkpoint(Path(checkpoint), tag)
     manifest = files.read_manifest(directory)
     if verify:
         problems = files.verify(directory, manifest["files"], sorted(manifest["files"]))
@@ -94,6 +94,20 @@ def export_universal(
         time.perf_counter() - start,
     )
     return out
+
+
+def _zstack_checkpoint(root: Path, tag: str | None) -> Path:
+    """The zstack checkpoint at `root`: itself, its tag `tag`, or the one ``latest`` names
+    (never the DeepSpeed checkpoint a ``latest_universal`` beside it names: that is ours)."""
+    if tag is None and (root / files.MANIFEST).exists():
+        return root
+    tag = tag if tag is not None else files.read_latest(root)
+    if tag is None:
+        raise CorruptCheckpointError(
+            f"{root}: no checkpoint here (no {files.MANIFEST}, and no '{files.LATEST}' file "
+            "naming a tag)"
+        )
+    return root / tag
 
 
 class _Plan(NamedTuple):
