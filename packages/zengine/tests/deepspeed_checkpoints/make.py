@@ -6,7 +6,7 @@ world size, from this folder::
     torchrun --nproc-per-node 2 make.py
     torchrun --nproc-per-node 4 make.py
 
-Each case of `model.CASES` at this world size trains `STEPS_BEFORE` steps, saves
+Each case of `_ds_fixture.CASES` at this world size trains `STEPS_BEFORE` steps, saves
 ``fixtures/<case>/`` with ``engine.save_checkpoint``, trains `STEPS_AFTER` more, and then a fresh
 engine loads the checkpoint and trains the same steps again. ``losses.json`` records the losses
 (each step's mean over the ranks) of all three runs and DeepSpeed's version. Cases listed in
@@ -23,16 +23,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import deepspeed  # type: ignore[import-not-found]
 import torch
 import torch.distributed as dist
-from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO  # type: ignore[import-not-found]
 from deepspeed.checkpoint.ds_to_universal import (  # type: ignore[import-not-found]
     main as ds_to_universal,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model as fixture  # noqa: E402
+import deepspeed  # type: ignore[import-not-found]
+from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO  # type: ignore[import-not-found]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _ds_fixture as fixture
 
 UNIVERSAL = ("stage2_fp32_ws2", "stage3_fp32_ws2", "stage3_bf16_ws2")
 TAG = f"global_step{fixture.STEPS_BEFORE}"

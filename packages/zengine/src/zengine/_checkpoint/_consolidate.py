@@ -2,7 +2,9 @@
 
 The checkpoint holds every parameter's master weights as chunks of the flattened parameter
 (see [Note: checkpoints keyed by parameter name]), so a parameter is rebuilt by reading its
-chunks, whatever world size wrote them, in a single process without torch.distributed.
+chunks, whatever world size wrote them, in a single process without torch.distributed. A
+DeepSpeed checkpoint (its own layout or a universal one) is read the same way, by parameter
+name, through `DeepSpeedCheckpoint` ([Note: reading DeepSpeed's layouts]).
 
 [Note: streaming consolidation]
 Parameters are read a batch at a time (at most `budget` bytes of fp32, or one parameter if it
@@ -31,6 +33,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from zengine._checkpoint import _files as files
+from zengine._checkpoint._ds_checkpoint import DeepSpeedCheckpoint
+from zengine._checkpoint._ds_files import is_deepspeed
+from zengine._checkpoint._errors import CorruptCheckpointError
 from zengine._checkpoint._pieces import Piece, PieceLoadPlanner
 from zengine._checkpoint._safetensors import SafetensorsWriter, write_tensor
 
@@ -59,7 +64,40 @@ class _Contents:
     aliases: dict[str, list[str]]  # an entry's name -> the other names of the same parameter
 
 
+def _deepspeed_contents(ck: DeepSpeedCheckpoint, exclude_frozen: bool) -> _Contents:
+    """A DeepSpeed checkpoint's tensors in its module's order: the trainable parameters' fp32
+    masters, the frozen parameters (as saved, in fp32) and the buffers."""
+    params, frozen, buffers = ck.params, ck.frozen(), ck.buffers()
+    if ck.zero_stage == 0 and not params and not ck.universal:
+        log.warning(
+            "zengine: %s is a ZeRO stage-0 checkpoint, which does not say which parameters its "
+            "fp32 masters are of: its module's weights are used, in the dtype they were saved",
+            ck.directory,
+        )
+    module = list(ck.model_states.get("module") or {})
+    order = list(dict.fromkeys([*module, *params, *frozen, *buffers]))
+    entries: list[Entry] = []
+    for name in order:
+        if name in params:
+            entries.append((name, f"master/{name}", torch.float32, params[name].shape))
+        elif name in frozen and not exclude_frozen:
+            entries.append((name, f"model/{name}", torch.float32, frozen[name]))
+        elif name in buffers:
+            dtype = buffers[name].dtype
+            out_dtype = torch.float32 if dtype.is_floating_point else dtype
+            entries.append((name, f"model/{name}", out_dtype, tuple(buffers[name].shape)))
+    kept = {e[0] for e in entries}
+    aliases: dict[str, list[str]] = {}
+    for other, name in ck.shared().items():
+        if name in kept:
+            aliases.setdefault(name, []).append(other)
+    return _Contents(entries, aliases)
+
+
 def contents_of(directory: Path, exclude_frozen: bool = False) -> _Contents:
+    """What the checkpoint in `directory` (zstack's or DeepSpeed's) holds, in model order."""
+    if is_deepspeed(directory):
+        return _deepspeed_contents(DeepSpeedCheckpoint(directory), exclude_frozen)
     manifest = files.read_manifest(directory)
     metadata = FileSystemReader(directory).read_metadata().state_dict_metadata
     entries: list[Entry] = []
@@ -98,7 +136,16 @@ def _batches(entries: list[Entry], budget: int) -> Iterator[list[Entry]]:
 def read_tensors(
     directory: Path, entries: list[Entry], budget: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`entries`' tensors, in their order, read a batch of at most `budget` bytes at a time."""
+    """`entries`' tensors, in their order, read a batch of at most `budget` bytes at a time
+    (a DeepSpeed checkpoint: a tensor at a time, from its mapped files)."""
+    if is_deepspeed(directory):
+        ck = DeepSpeedCheckpoint(directory)
+        for name, key, dtype, shape in entries:
+            tensor = ck.read_key(key, 0, torch.Size(shape).numel())
+            if tensor is None:
+                raise CorruptCheckpointError(f"{directory} holds no {key!r}")
+            yield name, tensor.to(dtype).view(shape)
+        return
     reader = FileSystemReader(directory)
     metadata = reader.read_metadata().state_dict_metadata
     for batch in _batches(entries, budget):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "CorruptCheckpointError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -11,6 +16,11 @@ class CheckpointError(RuntimeError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files are missing, incomplete or do not match their checksums."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint file asks for an object zstack does not load, since unpickling it could run
+    code; the message names the file and the type."""
 
 
 class CheckpointMismatchError(CheckpointError):

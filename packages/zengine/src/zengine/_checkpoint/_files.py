@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from zengine._checkpoint._ds_files import resolve_deepspeed
 from zengine._checkpoint._errors import CorruptCheckpointError
 
 __all__ = [
@@ -100,9 +101,12 @@ def read_latest(root: Path) -> str | None:
 
 
 def resolve(path: str | os.PathLike[str], tag: str | None = None) -> Path:
-    """The directory of one checkpoint: `path` itself when it holds a manifest, else its tag
-    `tag` or the one ``latest`` names."""
+    """The directory of one checkpoint: `path` itself when it holds a manifest (or DeepSpeed's
+    files), else its tag `tag` or the one ``latest`` names."""
     root = Path(path)
+    deepspeed = resolve_deepspeed(root, tag)
+    if deepspeed is not None:
+        return deepspeed
     if tag is None and (root / MANIFEST).exists():
         return root
     if tag is None:
@@ -126,6 +130,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     try:
         manifest: dict[str, Any] = json.loads(path.read_text())
     except FileNotFoundError:
+        if not any(directory.glob("*.distcp")) and not (directory / ".metadata").exists():
+            raise CorruptCheckpointError(
+                f"{directory} is not a checkpoint: neither zstack's (no {MANIFEST}, no .distcp "
+                "files) nor DeepSpeed's (no *_model_states.pt, no zero/optimizer_state.pt)"
+            ) from None
         raise CorruptCheckpointError(
             f"checkpoint {directory} is incomplete: {MANIFEST} is missing (an interrupted save?)"
         ) from None

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from zengine._checkpoint import _files as files
 from zengine._checkpoint._dcp import save_sharded
+from zengine._checkpoint._ds_files import resolve_deepspeed
+from zengine._checkpoint._ds_load import load_deepspeed
 from zengine._checkpoint._errors import CheckpointError, CheckpointTagError, CorruptCheckpointError
 from zengine._checkpoint._manifest import check, describe
 from zengine._checkpoint._pieces import PieceLoadPlanner
@@ -217,7 +219,8 @@ def load_checkpoint(
     load_module_only: bool = False,
     verify: bool = True,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Load a checkpoint saved at any world size and ZeRO stage; ``(path, client_state)``, or
+    """Load a checkpoint saved at any world size and ZeRO stage, by zstack or by DeepSpeed (its
+    own format or a universal one, see `load_deepspeed`); ``(path, client_state)``, or
     ``(None, None)`` when `load_dir` holds no ``latest`` and no tag is given (DeepSpeed's).
     `load_module_strict` False: parameters and buffers only one side has are skipped (the
     model's keep their values); `load_module_only`: the weights alone, not the optimizer, the
@@ -232,6 +235,17 @@ def load_checkpoint(
     if not forward_only:
         optimizer_of(engine).resident()  # the tensors loaded into must be in memory, not on NVMe
     root = Path(load_dir)
+    deepspeed = resolve_deepspeed(root, tag, universal=engine.config.checkpoint.load_universal)
+    if deepspeed is not None:
+        return load_deepspeed(
+            engine,
+            sync,
+            deepspeed,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_strict=load_module_strict,
+            load_module_only=load_module_only,
+        )
     if tag is None and not (root / files.MANIFEST).exists() and files.read_latest(root) is None:
         log.warning("zengine: no '%s' file in %s: no checkpoint loaded", files.LATEST, root)
         return None, None
@@ -327,7 +341,7 @@ def read_entries(
     with frozen_shards_in_memory(engine):  # frozen shards kept as codes or on NVMe
         entries: dict[str, Any] = dict(model_entries(engine, saved_masters=saved_masters))
         if optimizer:  # creates the state the optimizer has not made yet, as the file has it
-            entries.update(optimizer_destinations(engine, metadata))
+            entries.update(optimizer_destinations(engine, metadata.state_dict_metadata))
         dest = entries if keep is None else {k: v for k, v in entries.items() if keep(k)}
         for key in extras:
             dest[key] = entries.get(key)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import random
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, TensorStorageMetadata
 
 from zengine._checkpoint._errors import CheckpointError
 from zengine._checkpoint._pieces import Piece
@@ -191,10 +191,10 @@ def optimizer_entries(engine: Engine) -> dict[str, Any]:
     return entries
 
 
-def optimizer_destinations(engine: Engine, metadata: Metadata) -> dict[str, Any]:
+def optimizer_destinations(engine: Engine, stored: Mapping[str, STORAGE_TYPES]) -> dict[str, Any]:
     """Where the checkpoint's optimizer state goes: the live state, created where the
-    optimizer has not stepped yet (a fresh engine), shaped as the checkpoint says."""
-    stored = metadata.state_dict_metadata
+    optimizer has not stepped yet (a fresh engine), shaped as `stored` (a checkpoint's DCP
+    metadata by key) says."""
     objects: dict[str, Any] = {}
     for ps in _param_states(engine):
         prefix, st = f"optim/{ps.name}/", ps.state

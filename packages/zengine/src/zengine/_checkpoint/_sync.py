@@ -22,6 +22,7 @@ from zengine._checkpoint._errors import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    UnsafeCheckpointError,
 )
 
 __all__ = ["Sync"]
@@ -114,4 +115,4 @@ class Sync:
         raise chosen(f"{what} failed on rank {ranks}:\n  {detail}")
 
 
-_KINDS = (CheckpointError, CheckpointMismatchError, CorruptCheckpointError)
+_KINDS = (CheckpointError, CheckpointMismatchError, CorruptCheckpointError, UnsafeCheckpointError)

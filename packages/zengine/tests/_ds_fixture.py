@@ -1,6 +1,6 @@
 """The model, data and configs of the DeepSpeed fixture checkpoints, shared by the script that
-writes them with the real DeepSpeed (`make.py`) and by zstack's tests that load them. Torch
-only: neither side's engine is imported here.
+writes them with the real DeepSpeed (`deepspeed_checkpoints/make.py`) and by zstack's tests
+that load them. Torch only: neither side's engine is imported here.
 
 The model has what a checkpoint reader must place: a tied embedding and head (DeepSpeed's
 ``shared_params``), a frozen layer (``frozen_param_shapes`` / ``frozen_param_fragments``), a
@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-FIXTURES = HERE / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "deepspeed_checkpoints" / "fixtures"
 VOCAB, HIDDEN, SEQ = 13, 6, 5
 GLOBAL_BATCH = 8  # the same at every world size: the losses compare across them
 STEPS_BEFORE, STEPS_AFTER = 3, 3
@@ -41,7 +40,8 @@ class Model(nn.Module):
         self.register_buffer("scratch", torch.zeros(1), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.position.to(self.embed.weight.dtype)[:, None]
+        position = self.get_buffer("position").to(self.embed.weight.dtype)
+        x = self.embed(tokens) + position[:, None]
         x = x + self.frozen(x)
         x = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
         logits = self.head(x).float()
@@ -89,11 +89,12 @@ CASES: dict[str, tuple[int, str, int, dict[str, Any]]] = {
 }
 
 
-def config(case: str) -> dict[str, Any]:
-    stage, precision, world, extra = CASES[case]
+def config(case: str, world: int | None = None) -> dict[str, Any]:
+    """`case`'s config, at its own world size or at `world` (the same global batch)."""
+    stage, precision, case_world, extra = CASES[case]
     cfg: dict[str, Any] = {
         "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world or case_world),
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
         "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01}},
