@@ -250,6 +250,22 @@ class TestResume(DistributedTest):
             strict.save_checkpoint(tmp_path, tag=f"other{zcomm.get_rank()}")
         assert (tmp_path / "latest").read_text() == "mine0"
 
+    def test_no_save_dir_is_a_value_error(self, tmp_path: Path) -> None:
+        """DeepSpeed's ValueError for an empty or missing save_dir, on every rank, before
+        anything is written (an empty path is not taken for the current directory)."""
+        engine = checkpoint_engine(0)
+        here = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            for save_dir in ("", None):
+                with pytest.raises(ValueError, match="save_dir must be a non-empty path"):
+                    engine.save_checkpoint(save_dir)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="got '' on rank 1"):
+                engine.save_checkpoint(str(tmp_path / "x") if zcomm.get_rank() == 0 else "")
+        finally:
+            os.chdir(here)
+        assert list(tmp_path.iterdir()) == []
+
 
 class TestForwardOnlyEngineLoads(DistributedTest):
     """A trained model served by an engine without an optimizer (ZeRO-3 inference): its

@@ -65,11 +65,18 @@ def _failures(error: CheckpointException) -> str:
     return "; ".join(f"{type(e).__name__}: {e}" for e, _ in error.failures.values())
 
 
-def _agreed_tag(engine: Engine, sync: Sync, tag: str) -> str:
-    """The tag every rank saves under: rank 0's. Every rank sees every rank's tag, so they all
-    raise alike (a name that is no directory name; different tags with ``tag_validation``
-    FAIL) or go on alike."""
-    tags: list[str] = sync.gather(tag)
+def _agreed_tag(engine: Engine, sync: Sync, save_dir: Any, tag: str) -> str:
+    """The tag every rank saves under: rank 0's. Every rank sees every rank's `save_dir` and
+    tag, so they all raise alike (no directory, as DeepSpeed's ValueError; a tag that is no
+    directory name; different tags with ``tag_validation`` FAIL) or go on alike."""
+    asked: list[tuple[str | None, str]] = sync.gather((None if save_dir else repr(save_dir), tag))
+    no_dir = [f"{empty} on rank {rank}" for rank, (empty, _) in enumerate(asked) if empty]
+    if no_dir:
+        raise ValueError(
+            f"save_checkpoint: save_dir must be a non-empty path, got {', '.join(no_dir)} "
+            "(use '.' for the current directory)"
+        )
+    tags = [t for _, t in asked]
     bad = sorted({t for t in tags if not _TAG.fullmatch(t) or t == files.LATEST})
     if bad:
         raise ValueError(
@@ -105,7 +112,10 @@ def save_checkpoint(
     sync.arrive("save_checkpoint")
     optimizer_of(engine).resident()  # offloaded to NVMe (offload_optimizer/param): read it back
     tag = _agreed_tag(
-        engine, sync, str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        engine,
+        sync,
+        save_dir,
+        str(tag) if tag is not None else f"global_step{engine.global_steps}",
     )
     root = Path(save_dir)
     partial = files.partial_dir(root, tag)

@@ -120,6 +120,8 @@ def save_stages(
     layout: StageLayout,
 ) -> bool:
     """``engine.save_checkpoint`` of a pipeline engine whose module is laid out as `layout`."""
+    if not save_dir:  # DeepSpeed's ValueError; Path("") would be the current directory
+        raise ValueError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
     root = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _on_every_stage(
