@@ -22,6 +22,8 @@ from deepspeed import (
 )
 from deepspeed.__about__ import __version__
 from deepspeed._refused import TENSOR_PARALLEL, UnsupportedFeatureError, refused
+from deepspeed.git_version_info import git_branch as __git_branch__
+from deepspeed.git_version_info import git_hash as __git_hash__
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from zengine import (
@@ -49,6 +51,8 @@ __all__ = [
     "DeepSpeedEngine",
     "PipelineEngine",
     "UnsupportedFeatureError",
+    "__git_branch__",
+    "__git_hash__",
     "__version__",
     "accelerator",
     "add_config_arguments",

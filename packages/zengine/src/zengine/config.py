@@ -1,7 +1,8 @@
 """The config's validated sections, for code that builds or reads one section on its own
 (DeepSpeed's ``DeepSpeedZeroConfig(**zero_section)`` is `ZeroConfig`, its
 ``get_bfloat16_config(config)`` is ``read_section(config, "bf16")``). Each takes DeepSpeed's
-keys and defaults, and names a bad key or value as `EngineConfig` does. Also the batch sizes'
+keys and defaults, and names a bad key or value as `EngineConfig` does. Also a config read
+as a dict (`read_config`: JSON or HJSON files, DeepSpeed's), the batch sizes'
 arithmetic (`resolve_batch_sizes`) and DeepSpeed's learning-rate flags (`add_tuning_arguments`,
 read back into a ``"scheduler"`` section by `scheduler_from_args`)."""
 
@@ -20,6 +21,7 @@ from zengine._config import (
     ZeroConfig,
     add_tuning_arguments,
     load_config,
+    read_config,
     read_section,
     resolve_batch_sizes,
     scheduler_from_args,
@@ -40,6 +42,7 @@ __all__ = [
     "ZeroConfig",
     "add_tuning_arguments",
     "load_config",
+    "read_config",
     "read_section",
     "resolve_batch_sizes",
     "scheduler_from_args",

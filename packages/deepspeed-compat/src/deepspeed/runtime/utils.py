@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.utils``: `move_to_device` and `see_memory_usage`."""
+"""``deepspeed.runtime.utils``: `move_to_device`, `see_memory_usage` and `noop_decorator`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ from torch.utils._pytree import tree_map
 
 from zengine.utils import see_memory_usage
 
-__all__ = ["move_to_device", "see_memory_usage"]
+__all__ = ["move_to_device", "noop_decorator", "see_memory_usage"]
 
 _T = TypeVar("_T")
+
+
+def noop_decorator(func: _T) -> _T:
+    """`func` itself: DeepSpeed's stand-in where a decorator is not available."""
+    return func
 
 
 def move_to_device(

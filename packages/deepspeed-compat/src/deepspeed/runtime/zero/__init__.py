@@ -1,6 +1,7 @@
 """``deepspeed.runtime.zero``: ZeRO-3's parameters (zpartition) and its configuration enums."""
 
 from deepspeed.runtime.zero import (
+    linear,
     offload_config,
     offload_states,
     partition_parameters,
@@ -15,6 +16,7 @@ from zengine.zero import __all__ as _zero_names
 __all__ = [
     *_zero_names,
     "MiCS_Init",
+    "linear",
     "offload_config",
     "offload_states",
     "partition_parameters",
