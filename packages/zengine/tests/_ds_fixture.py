@@ -113,6 +113,68 @@ def config(case: str, world: int | None = None) -> dict[str, Any]:
     return cfg
 
 
+# -- the pipeline: DeepSpeed's PipelineModule and zstack's take the same specs --------------------
+
+PIPE_BASE_SEED = 1234
+# name -> (ZeRO stage, pipeline stages, data-parallel ranks)
+PIPE_CASES: dict[str, tuple[int, int, int]] = {
+    "pipe_stage1_pp2_dp2": (1, 2, 2),
+    "pipe_stage0_pp2_dp1": (0, 2, 1),
+}
+
+
+class PipeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.up = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.down = nn.Linear(3 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def pipe_head(embedding: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x @ embedding.get_parameter("weight").t()
+
+
+def pipe_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def pipe_specs(layer_spec: Any, tied_layer_spec: Any) -> list[Any]:
+    """The layers, as either library's spec classes: a tied embedding, two blocks, a norm
+    with a running buffer, the tied head."""
+    return [
+        tied_layer_spec("embed", nn.Embedding, VOCAB, HIDDEN),
+        layer_spec(PipeBlock),
+        layer_spec(PipeBlock),
+        layer_spec(nn.BatchNorm1d, SEQ),
+        tied_layer_spec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=pipe_head),
+    ]
+
+
+def pipe_config(case: str, data_parallel: int | None = None) -> dict[str, Any]:
+    stage, _, dp = PIPE_CASES[case]
+    micro = 2
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": GLOBAL_BATCH // (micro * (data_parallel or dp)),
+        "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage},
+    }
+
+
+def pipe_micro_batches(
+    tokens: torch.Tensor, accumulation: int, data_parallel: int, rank: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Data-parallel rank `rank`'s micro-batches of one global batch (tokens, labels)."""
+    pieces = tokens.view(accumulation, data_parallel, -1, SEQ)
+    return [(pieces[k, rank], pieces[k, rank].roll(1, dims=1)) for k in range(accumulation)]
+
+
 def losses(case: str) -> dict[str, Any]:
     """What DeepSpeed recorded for `case`: its losses before the save and continuing after."""
     result: dict[str, Any] = json.loads((FIXTURES / case / "losses.json").read_text())

@@ -25,6 +25,7 @@ from zcomm.testing import DistributedTest
 from zengine import _cli as cli
 from zengine._checkpoint import CheckpointMismatchError, CorruptCheckpointError
 from zengine._checkpoint._errors import UnsafeCheckpointError
+from zengine.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
 from zengine.utils import safe_get_full_fp32_param
 from zengine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -125,6 +126,60 @@ class TestContinueDeepSpeedRuns(DistributedTest):
         continues_as_deepspeed(
             case, fx.config(case, world_size), fx.FIXTURES / case, TAG + "_universal"
         )
+
+
+def pipe_engine(case: str, stages: int, data_parallel: int) -> PipelineEngine:
+    module = PipelineModule(
+        fx.pipe_specs(LayerSpec, TiedLayerSpec),
+        num_stages=stages,
+        loss_fn=fx.pipe_loss,
+        seed_layers=True,
+        base_seed=fx.PIPE_BASE_SEED,
+        partition_method="uniform",
+    )
+    eng, *_ = zengine.initialize(model=module, config=fx.pipe_config(case, data_parallel))
+    assert isinstance(eng, PipelineEngine)
+    return eng
+
+
+def pipe_train(eng: PipelineEngine, data: list[torch.Tensor]) -> list[float]:
+    accumulation = eng.gradient_accumulation_steps()
+    dp, rank = eng.grid.get_data_parallel_world_size(), eng.grid.get_data_parallel_rank()
+    return [
+        eng.train_batch(iter(fx.pipe_micro_batches(t, accumulation, dp, rank))).item() for t in data
+    ]
+
+
+class TestContinueDeepSpeedPipelines(DistributedTest):
+    """DeepSpeed's pipeline checkpoints (layer files, a model-states and optimizer file per
+    stage) into zstack's pipeline engine: the same stages, other data-parallel sizes, other
+    stage counts."""
+
+    @pytest.mark.parametrize(
+        ("world_size", "case", "stages"),
+        [
+            (4, "pipe_stage1_pp2_dp2", 2),
+            (2, "pipe_stage1_pp2_dp2", 2),
+            (4, "pipe_stage1_pp2_dp2", 4),
+            (1, "pipe_stage1_pp2_dp2", 1),
+            (2, "pipe_stage0_pp2_dp1", 2),
+        ],
+    )
+    def test_continues(self, world_size: int, case: str, stages: int) -> None:
+        data = fx.batches(BEFORE + AFTER)
+        recorded = fx.losses(case)
+        dp = world_size // stages
+        own = largest_gap(
+            pipe_train(pipe_engine(case, stages, dp), data)[BEFORE:], recorded["after"]
+        )
+        loaded = pipe_engine(case, stages, dp)
+        path, client = loaded.load_checkpoint(fx.FIXTURES / case)
+        assert path == str(fx.FIXTURES / case / TAG)
+        assert client is not None
+        assert client["epoch"] == 1
+        assert loaded.global_steps == BEFORE
+        gap = largest_gap(pipe_train(loaded, data[BEFORE:]), recorded["after"])
+        assert gap <= 2 * own + 1e-5, f"{case}: {gap} from DeepSpeed's losses (apart: {own})"
 
 
 class TestLoadOptions(DistributedTest):

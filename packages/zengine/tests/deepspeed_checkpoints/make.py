@@ -6,7 +6,8 @@ world size, from this folder::
     torchrun --nproc-per-node 2 make.py
     torchrun --nproc-per-node 4 make.py
 
-Each case of `_ds_fixture.CASES` at this world size trains `STEPS_BEFORE` steps, saves
+Each case of `_ds_fixture.CASES` (and of `PIPE_CASES`, DeepSpeed's pipeline engine) at this
+world size trains `STEPS_BEFORE` steps, saves
 ``fixtures/<case>/`` with ``engine.save_checkpoint``, trains `STEPS_AFTER` more, and then a fresh
 engine loads the checkpoint and trains the same steps again. ``losses.json`` records the losses
 (each step's mean over the ranks) of all three runs and DeepSpeed's version. Cases listed in
@@ -105,12 +106,79 @@ def make(case: str) -> None:
     dist.barrier()
 
 
+def pipe_engine(case: str) -> Any:
+    from deepspeed.pipe import (  # type: ignore[import-not-found]
+        LayerSpec,
+        PipelineModule,
+        TiedLayerSpec,
+    )
+
+    _, stages, _ = fixture.PIPE_CASES[case]
+    module = PipelineModule(
+        layers=fixture.pipe_specs(LayerSpec, TiedLayerSpec),
+        num_stages=stages,
+        loss_fn=fixture.pipe_loss,
+        seed_layers=True,
+        base_seed=fixture.PIPE_BASE_SEED,
+        partition_method="uniform",
+    )
+    config = fixture.pipe_config(case)
+    parameters = module.parameters()
+    eng, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)
+    return eng
+
+
+def pipe_train(eng: Any, data: list[torch.Tensor]) -> list[float]:
+    accumulation = eng.gradient_accumulation_steps()
+    dp, rank = eng.grid.get_data_parallel_world_size(), eng.grid.get_data_parallel_rank()
+    return [
+        eng.train_batch(iter(fixture.pipe_micro_batches(t, accumulation, dp, rank))).item()
+        for t in data
+    ]
+
+
+def make_pipe(case: str) -> None:
+    """`make` for a pipeline case (no universal conversion: DeepSpeed's needs Megatron's
+    layer metadata)."""
+    folder = fixture.FIXTURES / case
+    data = fixture.batches(fixture.STEPS_BEFORE + fixture.STEPS_AFTER)
+    before, after = data[: fixture.STEPS_BEFORE], data[fixture.STEPS_BEFORE :]
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+    eng = pipe_engine(case)
+    losses_before = pipe_train(eng, before)
+    eng.save_checkpoint(str(folder), client_state={"epoch": 1, "note": "written by DeepSpeed"})
+    straight = pipe_train(eng, after)
+    resumed_engine = pipe_engine(case)
+    resumed_engine.load_checkpoint(str(folder))
+    resumed = pipe_train(resumed_engine, after)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (folder / script).unlink(missing_ok=True)
+        record = {
+            "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__,
+            "world_size": dist.get_world_size(),
+            "before": losses_before,
+            "after": straight,
+            "resumed": resumed,
+        }
+        (folder / "losses.json").write_text(json.dumps(record, indent=1) + "\n")
+    dist.barrier()
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
+    chosen = sys.argv[1:]
     for case, (_, _, case_world, _) in fixture.CASES.items():
-        if case_world == world and (len(sys.argv) < 2 or case in sys.argv[1:]):
+        if case_world == world and (not chosen or case in chosen):
             make(case)
+    for case, (_, stages, dp) in fixture.PIPE_CASES.items():
+        if stages * dp == world and (not chosen or case in chosen):
+            make_pipe(case)
 
 
 if __name__ == "__main__":

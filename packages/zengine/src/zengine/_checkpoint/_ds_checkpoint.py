@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,7 +36,7 @@ from zengine._checkpoint import _ds_files as ds_files
 from zengine._checkpoint._errors import CorruptCheckpointError
 from zengine._checkpoint._safe_load import Attributes
 
-__all__ = ["DeepSpeedCheckpoint", "Extent"]
+__all__ = ["MASTER", "DeepSpeedCheckpoint", "Extent", "Readable", "read_key"]
 
 MASTER = "fp32"  # DeepSpeed's (and the universal format's) name of the fp32 master
 # what DeepSpeed's load_checkpoint keeps for itself; the rest of the file is the client's state
@@ -88,20 +88,32 @@ class DeepSpeedCheckpoint:
     `group_names`: the names of the trainable parameters in each optimizer group, in the
     optimizer's order, for stage-0 checkpoints, which do not record them (the engine loading
     one knows them); without it a stage-0 checkpoint's masters are its module's weights.
+    `mp_rank`: the model-parallel rank whose files to read (a pipeline's stage), with `module`
+    the module state its model states file does not hold (a pipeline's layer files).
     """
 
-    def __init__(self, directory: Path, group_names: Sequence[Sequence[str]] = ()) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        group_names: Sequence[Sequence[str]] = (),
+        *,
+        mp_rank: int = 0,
+        module: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.directory = directory
         self.universal = (directory / "zero" / "optimizer_state.pt").is_file()
-        model_files = ds_files.model_state_files(directory)
+        model_files = ds_files.model_state_files(directory, mp_rank)
         if not model_files:
             raise CorruptCheckpointError(
                 f"{directory}: a DeepSpeed checkpoint without its model states file "
-                "(mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt)"
+                f"(mp_rank_{mp_rank:02d}_model_states.pt or "
+                f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt)"
             )
         self._model_files = model_files
         self.model_states: dict[str, Any] = ds_files.load_deepspeed_file(model_files[0])
-        self._optim_files = ds_files.optim_state_files(directory)
+        if module is not None:  # a pipeline's: from its layer files
+            self.model_states["module"] = module
+        self._optim_files = ds_files.optim_state_files(directory, mp_rank)
         self._optim: dict[int, dict[str, Any]] = {}
         self._frozen_fragments: dict[int, dict[str, torch.Tensor]] = {}
         if self.universal:
@@ -296,27 +308,8 @@ class DeepSpeedCheckpoint:
         return out
 
     def read_key(self, key: str, start: int, stop: int) -> torch.Tensor | None:
-        """Elements ``[start, stop)`` of the tensor zstack keeps under `key` (``master/<p>``,
-        ``model/<p or buffer>``, ``optim/<p>/<state>``; see _state.py), or None when the
-        checkpoint has none (a parameter only the model has, with
-        ``load_module_strict=False``)."""
-        kind, _, rest = key.partition("/")
-        if kind == "master":
-            if rest in self.params:
-                return self.read(rest, MASTER, start, stop)
-            weights = self.module_tensor(rest)  # stage 0 read without the optimizer's order
-            return weights.reshape(-1)[start:stop] if weights is not None else None
-        if kind == "model":
-            buffers = self.buffers()
-            if rest in buffers:
-                return buffers[rest].reshape(-1)[start:stop]
-            if rest in self.frozen():
-                return self.frozen_tensor(rest)[start:stop]
-            if rest in self.params:  # trainable there, frozen here
-                return self.read(rest, MASTER, start, stop)
-            return None
-        name, _, state = rest.rpartition("/")
-        return self.read(name, state, start, stop) if name in self.params else None
+        """See `read_key`."""
+        return read_key(self, key, start, stop)
 
     def state_kinds(self) -> list[str]:
         """The optimizer's per-element states (``exp_avg``, ``exp_avg_sq`` for Adam)."""
@@ -462,6 +455,47 @@ class DeepSpeedCheckpoint:
     def files(self) -> Iterator[Path]:
         yield from self._model_files
         yield from self._optim_files
+
+
+class Readable(Protocol):
+    """What `read_key` reads from: a checkpoint's parameters by name (one DeepSpeed save, or a
+    pipeline's stages merged)."""
+
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+
+    def read(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor: ...
+
+    def buffers(self) -> dict[str, torch.Tensor]: ...
+
+    def frozen(self) -> dict[str, tuple[int, ...]]: ...
+
+    def frozen_tensor(self, name: str) -> torch.Tensor: ...
+
+    def module_tensor(self, name: str) -> torch.Tensor | None: ...
+
+
+def read_key(ck: Readable, key: str, start: int, stop: int) -> torch.Tensor | None:
+    """Elements ``[start, stop)`` of the tensor zstack keeps under `key` (``master/<p>``,
+    ``model/<p or buffer>``, ``optim/<p>/<state>``; see _state.py), or None when the checkpoint
+    has none (a parameter only the model has, with ``load_module_strict=False``)."""
+    kind, _, rest = key.partition("/")
+    if kind == "master":
+        if rest in ck.params:
+            return ck.read(rest, MASTER, start, stop)
+        weights = ck.module_tensor(rest)  # stage 0 read without the optimizer's order
+        return weights.reshape(-1)[start:stop] if weights is not None else None
+    if kind == "model":
+        buffers = ck.buffers()
+        if rest in buffers:
+            return buffers[rest].reshape(-1)[start:stop]
+        if rest in ck.frozen():
+            return ck.frozen_tensor(rest)[start:stop]
+        if rest in ck.params:  # trainable there, frozen here
+            return ck.read(rest, MASTER, start, stop)
+        return None
+    name, _, state = rest.rpartition("/")
+    return ck.read(name, state, start, stop) if name in ck.params else None
 
 
 def _copy_from_pieces(pieces: list[torch.Tensor], at: int, out: torch.Tensor) -> None:

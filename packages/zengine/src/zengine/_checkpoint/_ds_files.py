@@ -35,6 +35,7 @@ __all__ = [
     "LATEST_UNIVERSAL",
     "is_deepspeed",
     "load_deepspeed_file",
+    "model_parallel_ranks",
     "model_state_files",
     "optim_state_files",
     "pipeline_layer_files",
@@ -84,14 +85,20 @@ def _ranked(directory: Path, pattern: re.Pattern[str]) -> list[tuple[int, int, P
     return sorted(found)
 
 
-def model_state_files(directory: Path) -> list[Path]:
-    """The model-state files of model-parallel rank 0, by data-parallel rank."""
-    return [p for _, mp, p in _ranked(directory, _MODEL) if mp == 0]
+def model_state_files(directory: Path, mp_rank: int = 0) -> list[Path]:
+    """The model-state files of model-parallel rank `mp_rank` (a pipeline's stage), by
+    data-parallel rank."""
+    return [p for _, mp, p in _ranked(directory, _MODEL) if mp == mp_rank]
 
 
-def optim_state_files(directory: Path) -> list[Path]:
-    """The optimizer-state files of model-parallel rank 0, by data-parallel rank."""
-    return [p for _, mp, p in _ranked(directory, _OPTIM) if mp == 0]
+def optim_state_files(directory: Path, mp_rank: int = 0) -> list[Path]:
+    """The optimizer-state files of model-parallel rank `mp_rank`, by data-parallel rank."""
+    return [p for _, mp, p in _ranked(directory, _OPTIM) if mp == mp_rank]
+
+
+def model_parallel_ranks(directory: Path) -> int:
+    """How many model-parallel ranks (a pipeline's stages) saved `directory`."""
+    return len({mp for _, mp, _ in _ranked(directory, _MODEL)}) or 1
 
 
 def pipeline_layer_files(directory: Path) -> dict[int, list[Path]]:

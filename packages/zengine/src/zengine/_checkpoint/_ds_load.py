@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from zengine._checkpoint._ds_checkpoint import DeepSpeedCheckpoint
-from zengine._checkpoint._errors import CheckpointError, CorruptCheckpointError
+from zengine._checkpoint._ds_pipeline import DeepSpeedPipelineCheckpoint, is_pipeline
+from zengine._checkpoint._errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+)
 from zengine._checkpoint._manifest import FORMAT, check, describe
 from zengine._checkpoint._pieces import Piece
 from zengine._checkpoint._state import (
@@ -42,7 +48,7 @@ from zengine._checkpoint._sync import Sync
 if TYPE_CHECKING:
     from zengine._engine import Engine
 
-__all__ = ["load_deepspeed"]
+__all__ = ["Source", "describe_deepspeed", "group_names", "load_deepspeed"]
 
 log = logging.getLogger("zengine")
 
@@ -55,9 +61,15 @@ def group_names(engine: Engine) -> list[list[str]]:
     return [[names[id(p)] for p in params] for params in engine.optimizer.layout.params]
 
 
-def describe_deepspeed(ck: DeepSpeedCheckpoint, engine: Engine) -> dict[str, Any]:
+Source = DeepSpeedCheckpoint | DeepSpeedPipelineCheckpoint
+
+
+def describe_deepspeed(
+    ck: Source, engine: Engine, only: Collection[str] | None = None
+) -> dict[str, Any]:
     """What `ck` is of, as zstack's manifest says it (see `_manifest.describe`), to be checked
-    against the engine with the same errors."""
+    against the engine with the same errors; of the names in `only`, if given (a pipeline
+    stage's, checked against the whole pipeline elsewhere)."""
     now = describe(engine)
     params: dict[str, Any] = {
         name: {"shape": list(p.shape), "dtype": "float32", "group": p.group}
@@ -66,6 +78,9 @@ def describe_deepspeed(ck: DeepSpeedCheckpoint, engine: Engine) -> dict[str, Any
     for name, shape in ck.frozen().items():
         params[name] = {"shape": list(shape), "dtype": "float32", "group": None}
     buffers = {name: list(b.shape) for name, b in ck.buffers().items()}
+    if only is not None:
+        params = {n: v for n, v in params.items() if n in only}
+        buffers = {n: v for n, v in buffers.items() if n in only}
     scaler = ck.loss_scaler()
     return {
         "format": FORMAT,
@@ -81,7 +96,7 @@ def describe_deepspeed(ck: DeepSpeedCheckpoint, engine: Engine) -> dict[str, Any
     }
 
 
-def _fill(entries: dict[str, Any], ck: DeepSpeedCheckpoint) -> None:
+def _fill(entries: dict[str, Any], ck: Source) -> None:
     """Each piece and tensor of `entries` from the checkpoint."""
     for key, value in entries.items():
         if isinstance(value, Piece):
@@ -97,7 +112,7 @@ def _fill(entries: dict[str, Any], ck: DeepSpeedCheckpoint) -> None:
             data.copy_(loaded.reshape(data.shape))
 
 
-def _stored(engine: Engine, ck: DeepSpeedCheckpoint) -> dict[str, STORAGE_TYPES]:
+def _stored(engine: Engine, ck: Source) -> dict[str, STORAGE_TYPES]:
     """The optimizer state the checkpoint holds, as DCP metadata by zstack's keys: the state
     the engine's optimizer lacks (a fresh engine) is made in these shapes."""
     fp32 = TensorProperties(dtype=torch.float32)
@@ -113,7 +128,7 @@ def _stored(engine: Engine, ck: DeepSpeedCheckpoint) -> dict[str, STORAGE_TYPES]
     return stored
 
 
-def _steps(engine: Engine, ck: DeepSpeedCheckpoint, entries: dict[str, Any]) -> dict[str, Any]:
+def _steps(engine: Engine, ck: Source, entries: dict[str, Any]) -> dict[str, Any]:
     """Each parameter's step count into its optimizer state (a 0-d tensor is written in place;
     a number is returned, for `apply_optimizer_objects`)."""
     objects: dict[str, Any] = {}
@@ -130,7 +145,7 @@ def _steps(engine: Engine, ck: DeepSpeedCheckpoint, entries: dict[str, Any]) -> 
     return objects
 
 
-def _param_group_options(engine: Engine, ck: DeepSpeedCheckpoint) -> list[dict[str, Any]]:
+def _param_group_options(engine: Engine, ck: Source) -> list[dict[str, Any]]:
     """DeepSpeed's saved group options that the engine's optimizer also has (its "lr",
     "betas"...; not FusedAdam's own "bias_correction")."""
     groups = optimizer_of(engine).param_groups
@@ -138,7 +153,7 @@ def _param_group_options(engine: Engine, ck: DeepSpeedCheckpoint) -> list[dict[s
     return [{k: v for k, v in s.items() if k in g} for s, g in zip(saved, groups, strict=True)]
 
 
-def _scaler_state(engine: Engine, ck: DeepSpeedCheckpoint) -> dict[str, Any] | None:
+def _scaler_state(engine: Engine, ck: Source) -> dict[str, Any] | None:
     scaler = optimizer_of(engine).loss_scaler
     saved = ck.loss_scaler()
     if scaler is None or saved is None:
@@ -156,16 +171,26 @@ def load_deepspeed(
     load_lr_scheduler_states: bool,
     load_module_strict: bool,
     load_module_only: bool,
+    checkpoint: DeepSpeedPipelineCheckpoint | None = None,
+    only: Collection[str] | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """Load DeepSpeed's checkpoint `directory` into `engine` (every rank; see the module doc)."""
+    """Load DeepSpeed's checkpoint `directory` into `engine` (every rank of its data-parallel
+    group; see the module doc). A pipeline's stage passes the `checkpoint` every stage reads
+    and its own names, `only`."""
     forward_only = engine.optimizer is None
     start = time.perf_counter()
-    ck: DeepSpeedCheckpoint | None = None
+    ck: Source | None = checkpoint
     error: CheckpointError | None = None
     try:
-        ck = DeepSpeedCheckpoint(directory, group_names(engine))
+        if ck is None and is_pipeline(directory):
+            raise CheckpointMismatchError(
+                f"{directory} was saved by DeepSpeed's pipeline engine (its layer_*.pt files): "
+                "load it into a zengine.pipe.PipelineEngine of the same layers"
+            )
+        if ck is None:
+            ck = DeepSpeedCheckpoint(directory, group_names(engine))
         check(
-            describe_deepspeed(ck, engine),
+            describe_deepspeed(ck, engine, only),
             engine,
             where=f"{directory} (DeepSpeed's)",
             optimizer=load_optimizer_states,

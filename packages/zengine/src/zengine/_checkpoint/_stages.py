@@ -45,6 +45,9 @@ import torch
 import zcomm
 from zengine._checkpoint import _files as files
 from zengine._checkpoint import _stage_reshape as reshape
+from zengine._checkpoint._ds_files import resolve_deepspeed
+from zengine._checkpoint._ds_load import group_names, load_deepspeed
+from zengine._checkpoint._ds_pipeline import DeepSpeedPipelineCheckpoint, is_pipeline
 from zengine._checkpoint._errors import CheckpointError, CheckpointMismatchError
 from zengine._checkpoint._save_load import (
     engine_sync,
@@ -64,6 +67,7 @@ from zengine._checkpoint._stage_layout import (
     write_layout,
 )
 from zengine._checkpoint._stage_reshape import Sources
+from zengine._checkpoint._state import persistent_buffers
 from zengine._checkpoint._sync import Sync
 
 if TYPE_CHECKING:
@@ -165,12 +169,26 @@ def load_stages(
     *,
     layout: StageLayout,
     label: Callable[[str], str],
+    prefix: Callable[[int], str],
     load_module_strict: bool = True,
     load_module_only: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """``engine.load_checkpoint`` of a pipeline engine whose module is laid out as `layout`;
-    `label` names a parameter in errors as the module knows it (with its layer)."""
+    `label` names a parameter in errors as the module knows it (with its layer), `prefix` the
+    names of a layer's parameters by its global index (to read DeepSpeed's layer files)."""
     root = Path(load_dir)
+    deepspeed = resolve_deepspeed(root, tag)
+    if deepspeed is not None:
+        return _load_deepspeed_stages(
+            engine,
+            deepspeed,
+            prefix,
+            label,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_strict=load_module_strict,
+            load_module_only=load_module_only,
+        )
     if tag is None:
         tag = files.read_latest(root)
         if tag is None:
@@ -212,6 +230,54 @@ def load_stages(
     return _on_every_stage(
         engine,
         load,
+        lambda failed: (
+            f"{where}: stage(s) {failed} failed to load (their error is raised there); this "
+            "stage loaded, the pipeline as a whole did not"
+        ),
+    )
+
+
+def _load_deepspeed_stages(
+    engine: PipelineEngine,
+    directory: Path,
+    prefix: Callable[[int], str],
+    label: Callable[[str], str],
+    **options: bool,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """DeepSpeed's pipeline checkpoint `directory` into this pipeline: every stage reads its
+    names from whichever saved stage holds them (see _ds_pipeline.py). A name the checkpoint has
+    and no stage of this pipeline has fails the load on every rank (not with
+    ``load_module_strict=False``), as a name a stage lacks does there."""
+    where = f"load_checkpoint({str(directory)!r})"
+    world = _world(engine)
+    ck, error = None, None
+    try:
+        if not is_pipeline(directory):
+            raise CheckpointMismatchError(
+                f"{directory} was saved by DeepSpeed's engine, not its pipeline engine: load it "
+                "into an engine of the same model"
+            )
+        ck = DeepSpeedPipelineCheckpoint(directory, prefix, {engine.stage_id: group_names(engine)})
+    except CheckpointError as exc:
+        error = exc
+    world.agree(where, error)
+    assert ck is not None
+    mine = {n for n, _ in engine.module.named_parameters()}
+    mine |= {n for n, _ in persistent_buffers(engine.module)}
+    pipe = Sync(engine.grid.get_pipe_parallel_group(), engine.config.checkpoint.timeout)
+    held = set().union(*pipe.gather(sorted(mine)))
+    saved = ck.params.keys() | ck.frozen().keys() | ck.buffers().keys()
+    extra = sorted(saved - held - ck.shared().keys())
+    if extra and options["load_module_strict"]:
+        raise CheckpointMismatchError(
+            f"{where}: DeepSpeed's checkpoint has what no stage of this pipeline has: "
+            f"{', '.join(label(n) for n in extra)}"
+        )
+    return _on_every_stage(
+        engine,
+        lambda: load_deepspeed(
+            engine, engine_sync(engine), directory, checkpoint=ck, only=mine, **options
+        ),
         lambda failed: (
             f"{where}: stage(s) {failed} failed to load (their error is raised there); this "
             "stage loaded, the pipeline as a whole did not"

@@ -48,6 +48,18 @@ def _labeller(module: PipelineModule) -> Callable[[str], str]:
     return label
 
 
+def _prefixer(module: PipelineModule) -> Callable[[int], str]:
+    """``layer index -> the prefix of its parameters' names`` (``"3."``, or
+    ``"tied_modules.embed."`` for a tied layer), as DeepSpeed's layer files need."""
+    specs = module._layer_specs
+
+    def prefix(index: int) -> str:
+        spec = specs[index] if index < len(specs) else None
+        return f"tied_modules.{spec.key}." if isinstance(spec, TiedLayerSpec) else f"{index}."
+
+    return prefix
+
+
 def save_checkpoint(
     engine: PipelineEngine,
     save_dir: str | os.PathLike[str],
@@ -85,6 +97,7 @@ def load_checkpoint(
         load_lr_scheduler_states,
         layout=module_layout(engine.module),
         label=_labeller(engine.module),
+        prefix=_prefixer(engine.module),
         load_module_strict=load_module_strict,
         load_module_only=load_module_only,
     )
