@@ -18,7 +18,7 @@ import torch
 
 import zcomm
 from zcomm.testing import DistributedTest
-from zengine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from zengine._checkpoint import fp32_state_dict
 
 from . import _ds_fixture as fx
 from .test_checkpoint_deepspeed import BEFORE, engine, largest_gap, train
@@ -55,7 +55,7 @@ def test_consolidation_equals_deepspeeds_zero_to_fp32(case: str) -> None:
     )
 
     theirs = deepspeeds(str(fx.FIXTURES / case))
-    ours = get_fp32_state_dict_from_zero_checkpoint(fx.FIXTURES / case)
+    ours = fp32_state_dict(fx.FIXTURES / case)
     # ZeRO-1 records no frozen parameters, which DeepSpeed's tool then drops; zstack keeps them
     assert set(theirs) <= set(ours)
     for name, tensor in theirs.items():
