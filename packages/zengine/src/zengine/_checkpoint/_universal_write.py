@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from zengine._checkpoint import _files as files
 from zengine._checkpoint._consolidate import DEFAULT_BUDGET, Entry, read_tensors
 from zengine._checkpoint._errors import CheckpointError, CorruptCheckpointError
+from zengine._checkpoint._manifest import FORMAT
 from zengine._checkpoint._pieces import PieceLoadPlanner
 from zengine._checkpoint._state import ENGINE, PARAM_GROUPS, rank_key
 from zengine._checkpoint._universal_layout import (
@@ -64,6 +65,11 @@ def export_universal(
     first checked against their CRCs. Returns `out_dir`."""
     directory = _zstack_checkpoint(Path(checkpoint), tag)
     manifest = files.read_manifest(directory)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{directory / files.MANIFEST}: checkpoint format {manifest.get('format')!r}, this "
+            f"zengine writes universal checkpoints of format {FORMAT}"
+        )
     if verify:
         problems = files.verify(directory, manifest["files"], sorted(manifest["files"]))
         if problems:
