@@ -19,7 +19,7 @@ read, in DeepSpeed 0.19.8:
   ``param_groups``, whose options (all but ``params``) ZeRO 1-2 put into group i. ZeRO-3 reads
   ``optimizer_state_dict``: the step of all its tensors from ``state[0]["step"]``, and the options
   of ``param_groups[0]`` put into *every* group. So that a group keeps an option it does not
-  share (the norm weights' ``weight_decay`` 0), that entry holds only the options all groups
+  share (the norm weights' ``weight_decay`` 0), those entries hold only the options all groups
   agree on; DeepSpeed keeps its own value for the others, from the groups its run was built with.
   ``loss_scaler``, ``dynamic_loss_scale``, ``overflow`` and ``clip_grad`` are read with ``get``:
   left out, DeepSpeed keeps its own (its loss scaler is an object of its classes, and its config
@@ -94,7 +94,7 @@ def optimizer_state(groups: list[dict[str, Any]], step: int | None) -> dict[str,
         "param_groups": options,
         "optimizer_state_dict": {
             "state": {0: {"step": step}} if step is not None else {},
-            "param_groups": [shared],
+            "param_groups": [dict(shared) for _ in options],  # a group each, as DeepSpeed's
         },
     }
 
