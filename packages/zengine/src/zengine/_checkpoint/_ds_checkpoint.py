@@ -34,7 +34,7 @@ import torch
 
 from zengine._checkpoint import _ds_files as ds_files
 from zengine._checkpoint._errors import CorruptCheckpointError
-from zengine._checkpoint._safe_load import Attributes
+from zengine._checkpoint._safe_load import Attributes, mappable, release
 
 __all__ = ["MASTER", "DeepSpeedCheckpoint", "Extent", "Readable", "read_key"]
 
@@ -279,11 +279,15 @@ class DeepSpeedCheckpoint:
     def _param_index(self, name: str) -> int:
         return list(self.params).index(name)
 
-    def read(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+    def read(
+        self, name: str, kind: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Elements ``[start, stop)`` of parameter `name`'s flattened `kind` ("fp32" for the
-        master, or an optimizer state such as "exp_avg"), as a new fp32 tensor."""
+        master, or an optimizer state such as "exp_avg"): written into `out` (1-D, any dtype)
+        and returned, or as a new fp32 tensor."""
         param = self.params[name]
-        out = torch.empty(stop - start, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(stop - start, dtype=torch.float32)
         if self.universal:
             out.copy_(self._universal_file(name, kind)[start:stop])
             return out
@@ -302,14 +306,19 @@ class DeepSpeedCheckpoint:
             if lo >= hi:
                 continue
             at = extent.offset + lo - extent.param_offset
-            _copy_from_pieces(
-                self._flat(extent.rank, param.space, kind), at, out[lo - start : hi - start]
-            )
+            pieces = self._flat(extent.rank, param.space, kind)
+            _copy_from_pieces(pieces, at, out[lo - start : hi - start], self._mapped(extent.rank))
         return out
 
-    def read_key(self, key: str, start: int, stop: int) -> torch.Tensor | None:
+    def _mapped(self, rank: int) -> bool:
+        """Whether rank `rank`'s flat buffers are views of a mapped file (stages 1-3)."""
+        return self.zero_stage > 0 and mappable(self._optim_files[rank])
+
+    def read_key(
+        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """See `read_key`."""
-        return read_key(self, key, start, stop)
+        return read_key(self, key, start, stop, out)
 
     def state_kinds(self) -> list[str]:
         """The optimizer's per-element states (``exp_avg``, ``exp_avg_sq`` for Adam)."""
@@ -464,7 +473,9 @@ class Readable(Protocol):
     @property
     def params(self) -> Mapping[str, Any]: ...
 
-    def read(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor: ...
+    def read(
+        self, name: str, kind: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def buffers(self) -> dict[str, torch.Tensor]: ...
 
@@ -475,38 +486,49 @@ class Readable(Protocol):
     def module_tensor(self, name: str) -> torch.Tensor | None: ...
 
 
-def read_key(ck: Readable, key: str, start: int, stop: int) -> torch.Tensor | None:
+def read_key(
+    ck: Readable, key: str, start: int, stop: int, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Elements ``[start, stop)`` of the tensor zstack keeps under `key` (``master/<p>``,
-    ``model/<p or buffer>``, ``optim/<p>/<state>``; see _state.py), or None when the checkpoint
-    has none (a parameter only the model has, with ``load_module_strict=False``)."""
+    ``model/<p or buffer>``, ``optim/<p>/<state>``; see _state.py), written into `out` if given
+    (and returned), or None when the checkpoint has none (a parameter only the model has, with
+    ``load_module_strict=False``)."""
     kind, _, rest = key.partition("/")
+    whole = None
+    if kind == "master" and rest in ck.params:
+        return ck.read(rest, MASTER, start, stop, out)
     if kind == "master":
-        if rest in ck.params:
-            return ck.read(rest, MASTER, start, stop)
-        weights = ck.module_tensor(rest)  # stage 0 read without the optimizer's order
-        return weights.reshape(-1)[start:stop] if weights is not None else None
-    if kind == "model":
-        buffers = ck.buffers()
-        if rest in buffers:
-            return buffers[rest].reshape(-1)[start:stop]
-        if rest in ck.frozen():
-            return ck.frozen_tensor(rest)[start:stop]
-        if rest in ck.params:  # trainable there, frozen here
-            return ck.read(rest, MASTER, start, stop)
+        whole = ck.module_tensor(rest)  # stage 0 read without the optimizer's order
+    elif kind == "model" and rest in ck.buffers():
+        whole = ck.buffers()[rest]
+    elif kind == "model" and rest in ck.frozen():
+        whole = ck.frozen_tensor(rest)
+    elif kind == "model" and rest in ck.params:  # trainable there, frozen here
+        return ck.read(rest, MASTER, start, stop, out)
+    elif kind == "optim" and rest.rpartition("/")[0] in ck.params:
+        name, _, state = rest.rpartition("/")
+        return ck.read(name, state, start, stop, out)
+    if whole is None:
         return None
-    name, _, state = rest.rpartition("/")
-    return ck.read(name, state, start, stop) if name in ck.params else None
+    piece = whole.reshape(-1)[start:stop]
+    return piece if out is None else out.copy_(piece)
 
 
-def _copy_from_pieces(pieces: list[torch.Tensor], at: int, out: torch.Tensor) -> None:
-    """``out`` = elements ``[at, at + len(out))`` of the concatenation of `pieces`."""
+def _copy_from_pieces(
+    pieces: list[torch.Tensor], at: int, out: torch.Tensor, mapped: bool = False
+) -> None:
+    """``out`` = elements ``[at, at + len(out))`` of the concatenation of `pieces`; the pages
+    read are given back when the pieces are views of a `mapped` file."""
     done, base = 0, 0
     for piece in pieces:
         size = piece.numel()
         if done < out.numel() and at + done < base + size:
             lo = at + done - base
             n = min(size - lo, out.numel() - done)
-            out[done : done + n].copy_(piece.reshape(-1)[lo : lo + n])
+            read = piece.reshape(-1)[lo : lo + n]
+            out[done : done + n].copy_(read)
+            if mapped:
+                release(read)
             done += n
         base += size
     if done != out.numel():

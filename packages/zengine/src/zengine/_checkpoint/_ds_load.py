@@ -97,7 +97,7 @@ def describe_deepspeed(
 
 
 def _fill(entries: dict[str, Any], ck: Source) -> None:
-    """Each piece and tensor of `entries` from the checkpoint."""
+    """Each piece and tensor of `entries`, read from the checkpoint straight into it."""
     for key, value in entries.items():
         if isinstance(value, Piece):
             data, offset = value.data, value.offset
@@ -105,11 +105,8 @@ def _fill(entries: dict[str, Any], ck: Source) -> None:
             data, offset = value, 0
         else:
             continue
-        if not data.numel():
-            continue
-        loaded = ck.read_key(key, offset, offset + data.numel())
-        if loaded is not None:
-            data.copy_(loaded.reshape(data.shape))
+        if data.numel():
+            ck.read_key(key, offset, offset + data.numel(), out=data)
 
 
 def _stored(engine: Engine, ck: Source) -> dict[str, STORAGE_TYPES]:

@@ -64,11 +64,15 @@ class DeepSpeedPipelineCheckpoint:
                 self._owner.setdefault(name, stage)  # a tied layer's copies are equal
         self.params = {name: ck.params[name] for name, ck in self._owner.items()}
 
-    def read(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
-        return self._owner[name].read(name, kind, start, stop)
+    def read(
+        self, name: str, kind: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._owner[name].read(name, kind, start, stop, out)
 
-    def read_key(self, key: str, start: int, stop: int) -> torch.Tensor | None:
-        return read_key(self, key, start, stop)
+    def read_key(
+        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        return read_key(self, key, start, stop, out)
 
     def step_of(self, name: str) -> int | None:
         return self._owner[name].step_of(name)

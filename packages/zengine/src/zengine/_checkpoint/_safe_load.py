@@ -10,6 +10,8 @@ the file and the type it asked for.
 
 from __future__ import annotations
 
+import ctypes
+import mmap as mmap_module
 import pickle
 import re
 import zipfile
@@ -21,7 +23,7 @@ import torch
 
 from zengine._checkpoint._errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["Attributes", "load_file"]
+__all__ = ["Attributes", "load_file", "mappable", "release"]
 
 
 class Attributes:
@@ -58,7 +60,7 @@ def load_file(
     globals_: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
         (fn, name) for name, fn in (allowed or {}).items()
     ]
-    use_mmap = mmap and zipfile.is_zipfile(path)
+    use_mmap = mmap and mappable(path)
     try:
         with torch.serialization.safe_globals(globals_):
             loaded: Any = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
@@ -75,3 +77,30 @@ def load_file(
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
         raise CorruptCheckpointError(f"{path} cannot be read: {error}") from None
+
+
+def mappable(path: Path) -> bool:
+    """Whether ``load_file(path, mmap=True)`` maps `path`'s storages (a zip-format file)."""
+    return zipfile.is_zipfile(path)
+
+
+_PAGE = mmap_module.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True) if hasattr(mmap_module, "MADV_DONTNEED") else None
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Give back the pages of a read-only view of a *mapped* file (``load_file(...,
+    mmap=True)``) once it has been read: the kernel drops them from this process (a later read
+    maps them again from the file), so reading a file that way costs a rank about one
+    parameter's bytes of memory, not the file's. Never call it on other memory: anonymous pages
+    given back read as zeros. A no-op where madvise is not available."""
+    if _libc is None or not tensor.numel():
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first = -(-start // _PAGE) * _PAGE  # whole pages inside the view only
+    last = end // _PAGE * _PAGE
+    if last > first:
+        _libc.madvise(
+            ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap_module.MADV_DONTNEED
+        )

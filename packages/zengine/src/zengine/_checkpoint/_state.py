@@ -196,7 +196,11 @@ def optimizer_destinations(engine: Engine, stored: Mapping[str, STORAGE_TYPES]) 
     optimizer has not stepped yet (a fresh engine), shaped as `stored` (a checkpoint's DCP
     metadata by key) says."""
     objects: dict[str, Any] = {}
-    for ps in _param_states(engine):
+    states = list(_param_states(engine))
+    pieces: dict[int, list[tuple[int, int]]] = {}  # id(stepped) -> its pieces (offset, length)
+    for ps in states:
+        pieces.setdefault(id(ps.stepped), []).append((ps.offset, ps.valid))
+    for ps in states:
         prefix, st = f"optim/{ps.name}/", ps.state
         missing = [key for key in stored if key.startswith(prefix) and key[len(prefix) :] not in st]
         # made in the order torch's optimizers make their state (numbers and 0-d tensors, the
@@ -211,10 +215,25 @@ def optimizer_destinations(engine: Engine, stored: Mapping[str, STORAGE_TYPES]) 
                 continue
             dtype = md.properties.dtype
             if tuple(md.size) == (ps.size,):
-                st[k] = torch.zeros_like(ps.stepped, dtype=dtype)
+                st[k] = _empty_but_gaps(ps.stepped, dtype, pieces[id(ps.stepped)])
             else:
                 st[k] = torch.zeros(tuple(md.size), dtype=dtype, device=ps.stepped.device)
     return {k: v for k, v in optimizer_entries(engine).items() if k in stored} | objects
+
+
+def _empty_but_gaps(
+    like: torch.Tensor, dtype: torch.dtype, pieces: list[tuple[int, int]]
+) -> torch.Tensor:
+    """A tensor like `like` whose elements outside `pieces` (padding, alignment gaps) are 0,
+    and the rest left to the load that writes every piece: zeroing a model's optimizer state
+    before overwriting it took a second of a 245 M model's load."""
+    out = torch.empty_like(like, dtype=dtype)
+    flat, end = out.view(-1), 0
+    for offset, length in sorted(pieces):
+        flat[end:offset].zero_()
+        end = max(end, offset + length)
+    flat[end:].zero_()
+    return out
 
 
 def _scalar(md: Any) -> bool:
