@@ -16,7 +16,9 @@ read, in DeepSpeed 0.19.8:
   (required: their Adam has no step of its own once the moments are loaded) and assert it is the
   same for every parameter of a group.
 - ``zero/optimizer_state.pt``: ``ds_version`` (required; ZeRO-1 refuses one below 0.3.17) and
-  ``param_groups``, whose options (all but ``params``) ZeRO 1-2 put into group i. ZeRO-3 reads
+  ``param_groups``, whose options (all but ``params``) ZeRO 1-2 put into group i: their ``lr`` is
+  the one DeepSpeed's first step after the load takes (its LR schedules' ``load_state_dict``
+  restores the iteration only, and set the next rate after that step). ZeRO-3 reads
   ``optimizer_state_dict``: the step of all its tensors from ``state[0]["step"]``, and the options
   of ``param_groups[0]`` put into *every* group. So that a group keeps an option it does not
   share (the norm weights' ``weight_decay`` 0), those entries hold only the options all groups
