@@ -182,6 +182,30 @@ class TestContinueDeepSpeedPipelines(DistributedTest):
         assert gap <= 2 * own + 1e-5, f"{case}: {gap} from DeepSpeed's losses (apart: {own})"
 
 
+class TestUniversalRoundTrip(DistributedTest):
+    """zstack's own universal export (``save_checkpoint(universal=True)``) read back by zstack,
+    at another ZeRO stage: the masters, moments and steps come through exactly; `latest` still
+    resumes zstack's checkpoint, ``load_universal`` takes the export."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize(("saved", "loaded"), [(3, 1), (1, 3)])
+    def test_continues_the_run(self, saved: int, loaded: int, tmp_path: Path) -> None:
+        data = fx.batches(BEFORE + AFTER)
+        config = fx.config(f"stage{saved}_fp32_ws2")
+        trained = engine(config)
+        train(trained, data[:BEFORE])
+        trained.save_checkpoint(tmp_path, universal=True)
+        straight = train(trained, data[BEFORE:])
+        other = fx.config("stage1_fp32_ws2")
+        other["zero_optimization"]["stage"] = loaded
+        other["checkpoint"] = {"load_universal": True}
+        resumed = engine(other)
+        path, _ = resumed.load_checkpoint(tmp_path)
+        assert path == str(tmp_path / f"{TAG}_universal")
+        assert largest_gap(train(resumed, data[BEFORE:]), straight) <= 1e-5
+
+
 class TestLoadOptions(DistributedTest):
     world_size = 2
 

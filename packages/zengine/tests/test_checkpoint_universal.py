@@ -299,12 +299,6 @@ class TestUniversalOtherOptimizers(DistributedTest):
             assert not (tmp_path / ".mine.partial").exists()
         zcomm.barrier()
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="load_checkpoint(save_dir) follows latest_universal (DeepSpeed's export) although "
-        "latest names zstack's own checkpoint: _ds_files.resolve_deepspeed falls back to "
-        "latest_universal when latest names no DeepSpeed folder",
-    )
     def test_zstack_resumes_from_its_own_checkpoint(self, tmp_path: Path) -> None:
         engine = zstack_engine(1, "fp32")
         train(engine, fx.batches(1))

@@ -122,22 +122,22 @@ def _holds_deepspeed_files(directory: Path) -> bool:
 
 
 def resolve_deepspeed(root: Path, tag: str | None, *, universal: bool = False) -> Path | None:
-    """The folder of a DeepSpeed checkpoint at `root` (itself, its tag `tag`, or the tag its
-    ``latest`` names, or ``latest_universal`` first with `universal`, DeepSpeed's
-    ``checkpoint.load_universal``); None when `root` holds none."""
+    """The folder of a DeepSpeed checkpoint at `root`: itself, its tag `tag`, or the tag its
+    ``latest`` names (``latest_universal`` with `universal`, DeepSpeed's
+    ``checkpoint.load_universal``, or when there is no ``latest``); None when that is no
+    DeepSpeed folder (zstack's own, or none)."""
     if tag is not None:
         return root / tag if _holds_deepspeed_files(root / tag) else None
     if _holds_deepspeed_files(root):
         return root
-    pointers = (LATEST_UNIVERSAL, LATEST) if universal else (LATEST, LATEST_UNIVERSAL)
-    for pointer in pointers:
-        try:
-            named = (root / pointer).read_text().strip()
-        except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
-            continue
-        if named and _holds_deepspeed_files(root / named):
-            return root / named
-    return None
+    # `latest` wins unless asked for the universal one: beside zstack's checkpoint whose
+    # `latest` it is, a universal export (save_checkpoint(universal=True)) is not what resumes
+    pointer = LATEST_UNIVERSAL if universal or not (root / LATEST).exists() else LATEST
+    try:
+        named = (root / pointer).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        return None
+    return root / named if named and _holds_deepspeed_files(root / named) else None
 
 
 def is_deepspeed(directory: Path) -> bool:
