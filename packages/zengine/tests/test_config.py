@@ -623,6 +623,15 @@ def test_zenflow_is_a_deepspeed_feature_zengine_refuses_not_an_unknown_key() -> 
     assert load_config(_zero(stage=2, zenflow=None), world_size=1).zero_stage == 2
 
 
+def test_sum_beside_zenflow_or_deepcompile_is_refused_in_deepspeeds_words() -> None:
+    """DeepSpeed's own message comes first, then the feature's refusal."""
+    config = {**_zero(stage=2, zenflow={}), "gradient_allreduce_op": "SUM"}
+    assert _problems(config)[0] == 'gradient_allreduce_op "sum" is not supported with ZenFlow'
+    config = {**_zero(stage=1), "gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}
+    assert _problems(config)[0] == 'gradient_allreduce_op "sum" is not supported with DeepCompile'
+    assert load_config({**_zero(stage=3), "gradient_allreduce_op": "sum"}, world_size=1)
+
+
 def test_a_misspelt_deepspeed_key_is_still_unknown() -> None:
     assert _problems({"train_batch_size": 1, "zero_optimization": {"mics_shard_sise": 4}}) == [
         "zero_optimization.mics_shard_sise: unknown key; did you mean 'mics_shard_size'?"

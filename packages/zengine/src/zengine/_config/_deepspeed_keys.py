@@ -188,11 +188,25 @@ class SetAside:
     reports: list[str]  # keys asking for a report zengine does not make: warnings
 
 
+def _sum_without(out: SetAside) -> None:
+    """DeepSpeed's own refusals of ``gradient_allreduce_op: "sum"`` beside ZenFlow or
+    DeepCompile, in its words: a config written for DeepSpeed learns the same there and here
+    (where the two features are refused as well, below)."""
+    if str(out.data.get("gradient_allreduce_op", "")).lower() != "sum":
+        return
+    zero, compile_ = out.data.get(_ZERO), out.data.get("compile")
+    if isinstance(zero, Mapping) and zero.get("zenflow") is not None:
+        out.problems.append('gradient_allreduce_op "sum" is not supported with ZenFlow')
+    if isinstance(compile_, Mapping) and compile_.get("deepcompile"):
+        out.problems.append('gradient_allreduce_op "sum" is not supported with DeepCompile')
+
+
 def set_aside(data: Mapping[Any, Any]) -> SetAside:
     """Take the DeepSpeed keys of features zengine does not have out of `data` (a copy; the
     sections on their paths are copied too), sorted as the Note says."""
     out = SetAside(dict(data), [], [])
     _read_old_switches(out)
+    _sum_without(out)
     for key in _KEYS:
         section: dict[Any, Any] = out.data
         for name in key.path[:-1]:
