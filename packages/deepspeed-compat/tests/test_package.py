@@ -88,17 +88,63 @@ def test_op_builders_say_every_feature_is_there_and_refuse_to_build() -> None:
         AsyncIOBuilder().load()
 
 
-def test_deepspeeds_optimizer_classes_are_zengines() -> None:
-    """``isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)`` and the like hold: zengine
-    has one ZeRO optimizer for every stage."""
+def test_deepspeeds_base_optimizer_classes_are_zengines() -> None:
+    """zengine has one ZeRO optimizer, for every stage: DeepSpeed's base class and its bf16
+    optimizer are it."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    for name in (ZeROOptimizer, BF16_Optimizer, DeepSpeedZeroOptimizer_Stage3):
+    for name in (ZeROOptimizer, BF16_Optimizer):
         assert name is zengine.ZeroOptimizer
-    assert DeepSpeedZeroOptimizer is zengine.ZeroOptimizer
+
+
+class TestOptimizerKinds(DistributedTest):
+    """``isinstance(engine.optimizer, <DeepSpeed's class>)`` holds for the class DeepSpeed
+    would have built at that stage and precision, and not for the others (DeepSpeed's tests
+    branch on it, then read that class's attributes)."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize(
+        ("stage", "bf16", "kind"),
+        [
+            (0, True, "FP16_Optimizer"),
+            (0, False, None),
+            (1, False, "DeepSpeedZeroOptimizer"),
+            (2, True, "DeepSpeedZeroOptimizer"),
+            (3, False, "DeepSpeedZeroOptimizer_Stage3"),
+        ],
+    )
+    def test_the_stage_decides(self, stage: int, bf16: bool, kind: str | None) -> None:
+        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        kinds = {
+            "FP16_Optimizer": FP16_Optimizer,
+            "FP16_UnfusedOptimizer": FP16_UnfusedOptimizer,
+            "DeepSpeedZeroOptimizer": DeepSpeedZeroOptimizer,
+            "DeepSpeedZeroOptimizer_Stage3": DeepSpeedZeroOptimizer_Stage3,
+        }
+        model = torch.nn.Linear(4, 4)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": bf16},
+        }
+        _, optimizer, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        assert {name for name, cls in kinds.items() if isinstance(optimizer, cls)} == (
+            {kind} if kind else set()
+        )
+        assert issubclass(zengine.ZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)
+        with pytest.raises(TypeError, match=r"built by deepspeed\.initialize"):
+            DeepSpeedZeroOptimizer()
+        if kind == "FP16_Optimizer":  # and the attributes of that class are there
+            assert [t.dtype for t in optimizer.fp32_groups_flat] == [torch.float32]
 
 
 def test_comm_dtype_attribute_is_the_one_zengine_reads() -> None:

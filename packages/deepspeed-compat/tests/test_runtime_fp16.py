@@ -85,6 +85,7 @@ def test_create_loss_scaler_as_deepspeeds_factory() -> None:
 def test_the_static_scaler_and_the_fp16_optimizers_are_zengines() -> None:
     assert LossScaler is zengine.StaticLossScaler
     assert LossScaler().loss_scale == 1.0  # DeepSpeed's default scale
-    assert fused_optimizer.FP16_Optimizer is zengine.ZeroOptimizer
-    assert unfused_optimizer.FP16_UnfusedOptimizer is zengine.ZeroOptimizer
+    # the optimizer classes are isinstance tests of zengine's (test_package.py's kinds)
+    assert issubclass(zengine.ZeroOptimizer, fused_optimizer.FP16_Optimizer)
+    assert issubclass(zengine.ZeroOptimizer, unfused_optimizer.FP16_UnfusedOptimizer)
     assert loss_scaler.DynamicLossScaler is DynamicLossScaler

@@ -96,6 +96,19 @@ class DeepSpeedViews:
         """Per group, this rank's fp32 master partition, flat (stages 0-2)."""
         return self.partitions.masters
 
+    @property
+    def fp32_groups_flat(self) -> list[torch.Tensor]:
+        """Stage 0 in fp16 or bf16: per group, the flat fp32 masters of all its parameters
+        (DeepSpeed's ``FP16_Optimizer``, which steps them)."""
+        layout = self.layout
+        if self.stage != 0 or not isinstance(layout, FlatLayout) or layout.aliased:
+            raise AttributeError(
+                f"{type(self).__name__}.fp32_groups_flat: DeepSpeed's fp16/bf16 optimizer "
+                f"attribute without ZeRO; this optimizer runs ZeRO stage {self.stage}"
+                + (" in fp32, whose parameters are their own masters" if self.stage == 0 else "")
+            )
+        return self.partitions.masters
+
     # -- the gradients -----------------------------------------------------------------------
 
     @property
