@@ -17,6 +17,7 @@ from zengine._config import (
     BF16Config,
     ConfigError,
     EngineConfig,
+    ZeroConfig,
     load_config,
     read_section,
     resolve_batch_sizes,
@@ -621,6 +622,17 @@ def test_zenflow_is_a_deepspeed_feature_zengine_refuses_not_an_unknown_key() -> 
         "or set it to null"
     ]
     assert load_config(_zero(stage=2, zenflow=None), world_size=1).zero_stage == 2
+
+
+def test_checkpoint_loading_keys_are_deepspeeds(caplog: pytest.LogCaptureFixture) -> None:
+    """``pipeline_loading_checkpoint`` (DeepSpeed's rank-by-rank loading, which zstack's
+    mapped loads need not) is accepted; ``elastic_checkpoint``, deprecated, is said to be."""
+    config = load_config(_zero(stage=3, pipeline_loading_checkpoint=True), world_size=1)
+    assert config.zero_stage == 3
+    with caplog.at_level("WARNING", logger="zengine"):
+        zero = ZeroConfig(stage=3, elastic_checkpoint=True)
+    assert zero.elastic_checkpoint
+    assert "elastic checkpointing is deprecated" in caplog.text
 
 
 def test_sum_beside_zenflow_or_deepcompile_is_refused_in_deepspeeds_words() -> None:

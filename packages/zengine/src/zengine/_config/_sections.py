@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -437,6 +438,9 @@ class ZeroConfig(Section):
     a pipeline engine does not check."""
     load_from_fp32_weights: Flag = True
     """Accepted for DeepSpeed compatibility."""
+    elastic_checkpoint: Flag = False
+    """Accepted for DeepSpeed compatibility, which deprecates it: zstack's checkpoints load at
+    any world size and stage whatever it says; true is said so, in a warning."""
     mics_shard_size: Annotated[int | Literal["node"], AfterValidator(_check_shard_size)] = -1
     """Stage 3 hybrid sharding (DeepSpeed's MiCS, FSDP2's HSDP): parameters, gradients and
     optimizer state are sharded within groups of this many consecutive ranks and replicated
@@ -546,6 +550,16 @@ class ZeroConfig(Section):
     def gather_16bit_weights_on_model_save(self) -> bool:
         """``stage3_gather_16bit_weights_on_model_save``, under DeepSpeed's attribute name."""
         return self.stage3_gather_16bit_weights_on_model_save
+
+    @field_validator("elastic_checkpoint")
+    @classmethod
+    def _elastic_is_deprecated(cls, value: bool) -> bool:
+        if value:  # DeepSpeed's words, which its test of the key looks for
+            logging.getLogger("zengine").warning(
+                "zengine: zero_optimization.elastic_checkpoint: elastic checkpointing is "
+                "deprecated; zstack's checkpoints load at any world size and ZeRO stage"
+            )
+        return value
 
     @model_validator(mode="before")
     @classmethod
