@@ -246,6 +246,21 @@ class TestLoadOptions(DistributedTest):
         with pytest.raises(CheckpointMismatchError, match=r"extra\.weight"):
             engine(fx.config(case), other).load_checkpoint(fx.FIXTURES / case)
 
+    def test_expert_parallel_files_are_refused(self, tmp_path: Path) -> None:
+        """An MoE save's expert files (where DeepSpeed's ``_get_optimizer_ckpt_name`` points):
+        zstack has no expert parallelism, and says so rather than loading part of the model."""
+        case = "stage2_fp32_ws2"
+        copy = tmp_path / case
+        loaded = engine(fx.config(case))
+        expert = loaded._get_optimizer_ckpt_name(copy, TAG, 1)
+        assert expert == str(copy / TAG / "expp_rank_1_mp_rank_00_optim_states.pt")
+        if zcomm.get_rank() == 0:
+            shutil.copytree(fx.FIXTURES / case, copy)
+            shutil.copy(copy / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt", expert)
+        zcomm.barrier()
+        with pytest.raises(CheckpointMismatchError, match="expert-parallel"):
+            loaded.load_checkpoint(copy)
+
     def test_a_missing_rank_file_is_named(self, tmp_path: Path) -> None:
         case = "stage2_fp32_ws2"
         copy = tmp_path / case

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -613,6 +614,17 @@ class Engine(nn.Module):
             load_module_strict=load_module_strict,
             load_module_only=load_module_only,
         )
+
+    def _get_optimizer_ckpt_name(
+        self, checkpoints_path: str | os.PathLike[str], tag: str, expp_rank: int = 0
+    ) -> str:
+        """DeepSpeed's name: where its checkpoint ``checkpoints_path/tag`` keeps the optimizer
+        state of expert-parallel rank `expp_rank` of an MoE model outside ZeRO. zstack has no
+        expert parallelism and refuses to load a DeepSpeed checkpoint holding such files."""
+        from zengine import _checkpoint
+
+        directory = os.path.join(checkpoints_path, str(tag))
+        return str(_checkpoint.expert_optim_name(Path(directory), expp_rank))
 
     def save_16bit_model(
         self,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from zengine._checkpoint._ds_files import expert_optim_name
 from zengine._checkpoint._errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -57,6 +58,7 @@ __all__ = [
     "consolidate",
     "consolidate_shards",
     "contents_of",
+    "expert_optim_name",
     "export_universal",
     "fp32_state_dict",
     "gathered_state",

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from zengine._checkpoint import _ds_files as ds_files
-from zengine._checkpoint._errors import CorruptCheckpointError
+from zengine._checkpoint._errors import CheckpointMismatchError, CorruptCheckpointError
 from zengine._checkpoint._safe_load import Attributes, mappable, release
 
 __all__ = ["MASTER", "DeepSpeedCheckpoint", "Extent", "Readable", "read_key"]
@@ -102,6 +102,12 @@ class DeepSpeedCheckpoint:
     ) -> None:
         self.directory = directory
         self.universal = (directory / "zero" / "optimizer_state.pt").is_file()
+        if ds_files.holds_experts(directory):
+            raise CheckpointMismatchError(
+                f"{directory} holds DeepSpeed's expert-parallel (MoE) files (expp_rank_* or "
+                "*_expert_*): zstack has no expert parallelism (train MoE experts as ZeRO-3 "
+                "leaf modules; see the compat package's README)"
+            )
         model_files = ds_files.model_state_files(directory, mp_rank)
         if not model_files:
             raise CorruptCheckpointError(

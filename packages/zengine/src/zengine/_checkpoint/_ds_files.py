@@ -33,6 +33,8 @@ from zengine._checkpoint._safe_load import load_file, stand_in
 __all__ = [
     "LATEST",
     "LATEST_UNIVERSAL",
+    "expert_optim_name",
+    "holds_experts",
     "is_deepspeed",
     "load_deepspeed_file",
     "model_parallel_ranks",
@@ -83,6 +85,20 @@ def _ranked(directory: Path, pattern: re.Pattern[str]) -> list[tuple[int, int, P
             dp, mp = match.group(1), match.group(2)
             found.append((int(dp) if dp is not None else 0, int(mp), path))
     return sorted(found)
+
+
+def expert_optim_name(directory: Path, expp_rank: int, mp_rank: int = 0) -> Path:
+    """Where DeepSpeed keeps the optimizer state of expert-parallel rank `expp_rank` of an MoE
+    model outside ZeRO (its ``_get_optimizer_ckpt_name``)."""
+    return directory / f"expp_rank_{expp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def holds_experts(directory: Path) -> bool:
+    """Whether `directory` holds DeepSpeed's expert-parallel (MoE) files, which zstack, with no
+    expert parallelism, does not read."""
+    return any(directory.glob("expp_rank_*_optim_states.pt")) or any(
+        directory.glob("*expert_*_model_states.pt")
+    )
 
 
 def model_state_files(directory: Path, mp_rank: int = 0) -> list[Path]:
