@@ -1,5 +1,7 @@
 """``deepspeed.checkpoint``: DeepSpeed's names of its checkpoint files and keys (`constants`,
-also here at the top, as DeepSpeed's ``from .constants import *``) and the helpers of `utils`."""
+also here at the top, as DeepSpeed's ``from .constants import *``), the helpers of `utils`;
+``deepspeed.checkpoint.ds_to_universal`` (imported on its own, as DeepSpeed's) writes a zstack
+checkpoint as DeepSpeed's universal checkpoint."""
 
 from deepspeed.checkpoint import constants, utils
 from deepspeed.checkpoint.constants import *  # noqa: F403 - DeepSpeed's names, here too
