@@ -24,6 +24,7 @@ zstack's must equal DeepSpeed's.
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import statistics
@@ -67,19 +68,21 @@ def _status(field: str) -> int:
 
 
 def _batch() -> torch.Tensor:
-    return torch.randint(0, LLAMA["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(3))
+    return torch.randint(
+        0, LLAMA["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(3)
+    )
 
 
 def _engine(library: str) -> Any:
     """The model built under the library's ZeRO-3 Init, in an engine of `CONFIG`."""
+    lib: Any
     if library == "DeepSpeed":
-        import deepspeed as lib
-
+        lib = importlib.import_module("deepspeed")
         init: Any = lib.zero.Init(config_dict_or_path=CONFIG)
     else:
-        import zengine as lib
         import zpartition
 
+        lib = importlib.import_module("zengine")
         init = zpartition.Init()
     torch.manual_seed(0)
     with init:
@@ -155,7 +158,9 @@ def _report(runs: dict[str, list[dict[str, Any]]], size: int) -> None:
         f"files) at world size 2 (gloo, CPU): load_checkpoint, medians of {ROUNDS} rounds, "
         "fresh processes each, rotating order\n"
     )
-    print("| contender | load s | vs DeepSpeed | peak RSS during the load per rank MiB | loss after |")
+    print(
+        "| contender | load s | vs DeepSpeed | peak RSS during the load per rank MiB | loss after |"
+    )
     print("|---|---:|---:|---|---:|")
     seconds = {c: statistics.median(r["seconds"] for r in rs) for c, rs in runs.items()}
     for c, rs in runs.items():
