@@ -8,7 +8,8 @@ _stage_reshape.py), ``zengine consolidate`` and zero_to_fp32's reading (_consoli
 16-bit model save (_save_16bit.py), and Hugging Face safetensors: the format (_safetensors.py),
 a checkpoint's files (_safetensors_checkpoint.py) and a load into a ZeRO-3 model
 (_safetensors_load.py); DeepSpeed's checkpoints read into an engine or consolidated: its files
-(_ds_files.py), its layouts by parameter name (_ds_checkpoint.py), a pipeline's stages merged
+(_ds_files.py), where each parameter lies in them (_ds_layout.py), their reading by
+parameter name (_ds_checkpoint.py), a pipeline's stages merged
 (_ds_pipeline.py), the load (_ds_load.py); DeepSpeed's universal checkpoint written from ours
 (_universal_write.py, _universal_layout.py); torch files read without running code
 (_safe_load.py). Its errors are in _errors.py. It reads the engine through its attributes and

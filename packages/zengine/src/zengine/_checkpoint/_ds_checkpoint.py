@@ -1,30 +1,14 @@
 """A DeepSpeed checkpoint read by parameter name: any range of any parameter's fp32 master or
-optimizer state, from whichever ranks' files hold it.
-
-[Note: reading DeepSpeed's layouts]
-DeepSpeed stores each rank's partition of flat buffers, not parameters. Every layout here comes
-down to *extents*: a run of a parameter's flattened elements ``[param_offset, param_offset +
-length)`` that lies at ``offset`` in one rank's flat buffer (the same place for the master and
-for each optimizer state, which DeepSpeed lays out alike):
-
-- stages 1-2: a parameter group's parameters are concatenated (each followed by its alignment
-  padding, ``param_alignment_paddings``) into one flat buffer split into equal partitions, rank
-  r's ``[r*P, (r+1)*P)``; a parameter can straddle ranks;
-- stage 3: every parameter is split alone, rank r holding ``[r*c, (r+1)*c)`` with c =
-  ceil(numel / W); a rank's buffer is its piece of every parameter in order (the sub-groups of
-  ``sub_group_size`` concatenated);
-- stage 0: one rank's file holds everything; with fp16/bf16 each group's masters are one flat
-  buffer (its parameters in the optimizer's order), in fp32 the optimizer state is per
-  parameter and the masters are the module's weights;
-- universal (``ds_to_universal``): a file per parameter and state, whole.
+optimizer state, from whichever ranks' files hold it (where they lie: [Note: reading DeepSpeed's
+layouts] in _ds_layout.py), and its frozen parameters, buffers, counters and client state.
 
 A rank loading at another world size reads the extents overlapping its own pieces; the files
-are mapped (``mmap``), so a rank pages in only what it reads.
+are mapped (``mmap``) and the pages given back as they are read, so a rank holds about one
+parameter's bytes of them at a time.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -33,10 +17,19 @@ from typing import Any, Protocol
 import torch
 
 from zengine._checkpoint import _ds_files as ds_files
+from zengine._checkpoint._ds_layout import (
+    Param,
+    groups_of_spaces,
+    layout_stage0,
+    layout_stage3,
+    layout_stage12,
+    layout_universal,
+    shape_of,
+)
 from zengine._checkpoint._errors import CheckpointMismatchError, CorruptCheckpointError
 from zengine._checkpoint._safe_load import Attributes, mappable, release
 
-__all__ = ["MASTER", "DeepSpeedCheckpoint", "Extent", "Readable", "read_key"]
+__all__ = ["MASTER", "DeepSpeedCheckpoint", "Readable", "read_key"]
 
 MASTER = "fp32"  # DeepSpeed's (and the universal format's) name of the fp32 master
 # what DeepSpeed's load_checkpoint keeps for itself; the rest of the file is the client's state
@@ -44,31 +37,6 @@ _OWN_KEYS = frozenset(
     {"module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size"}
     | {"data_sampler", "random_ltd", "lr_scheduler", "optimizer"}
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Extent:
-    rank: int  # the data-parallel rank whose file holds it
-    offset: int  # where in that rank's flat buffer
-    param_offset: int  # where in the flattened parameter
-    length: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Param:
-    name: str
-    shape: tuple[int, ...]
-    group: int  # the optimizer parameter group
-    space: int  # which flat buffer of a rank (a group at stages 0-2; 0 at stage 3)
-    extents: tuple[Extent, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def _shape(size: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in size)
 
 
 def _optimizer_state(osd: dict[str, Any]) -> dict[str, Any]:
@@ -161,93 +129,19 @@ class DeepSpeedCheckpoint:
 
     def _layout(
         self, first: dict[str, Any], group_names: Sequence[Sequence[str]]
-    ) -> dict[str, _Param]:
+    ) -> dict[str, Param]:
         shapes: list[dict[str, Any]] = self.model_states.get("param_shapes") or []
-        if self.universal:
-            return self._layout_universal(shapes)
-        if self.zero_stage == 3:
-            return self._layout_stage3(shapes)
-        if self.zero_stage in (1, 2):
-            return self._layout_stage12(shapes, first)
-        return self._layout_stage0(group_names)
-
-    def _groups_of_spaces(self, count: int) -> list[int]:
-        """The parameter group of each flat buffer: stage 3's sub-groups are listed under their
-        group's ``params``; at stages 0-2 a buffer is a group."""
         groups = self._optimizer_head.get("param_groups") or []
-        owner = list(range(count))
-        for g, group in enumerate(groups):
-            for space in group.get("params", []):
-                if isinstance(space, int) and space < count:
-                    owner[space] = g
-        return owner
-
-    def _layout_stage12(
-        self, shapes: list[dict[str, Any]], first: dict[str, Any]
-    ) -> dict[str, _Param]:
-        paddings = first.get("param_alignment_paddings") or [None] * len(shapes)
-        params = {}
-        for g, group in enumerate(shapes):
-            # every rank's partition has rank 0's size (the last one's padding is not saved)
-            partition = int(self._osd(0)["single_partition_of_fp32_groups"][g].numel())
-            start = 0
-            for i, (name, size) in enumerate(group.items()):
-                shape = _shape(size)
-                numel = math.prod(shape)
-                extents, done = [], 0
-                while done < numel:
-                    rank, offset = divmod(start + done, partition)
-                    length = min(numel - done, partition - offset)
-                    extents.append(Extent(rank, offset, done, length))
-                    done += length
-                params[name] = _Param(name, shape, g, g, tuple(extents))
-                start += numel + (paddings[g][i] if paddings[g] else 0)
-        return params
-
-    def _layout_stage3(self, shapes: list[dict[str, Any]]) -> dict[str, _Param]:
-        owner = self._groups_of_spaces(len(shapes))
-        world = self.world_size
-        params, offset = {}, 0
-        for sub_group, group in enumerate(shapes):
-            for name, size in group.items():
-                shape = _shape(size)
-                numel = math.prod(shape)
-                chunk = math.ceil(numel / world)
-                extents = tuple(
-                    Extent(r, offset, r * chunk, min(chunk, numel - r * chunk))
-                    for r in range(world)
-                    if numel - r * chunk > 0
-                )
-                params[name] = _Param(name, shape, owner[sub_group], 0, extents)
-                offset += chunk
-        return params
-
-    def _layout_stage0(self, group_names: Sequence[Sequence[str]]) -> dict[str, _Param]:
-        module = self.model_states["module"]
-        params = {}
-        for g, names in enumerate(group_names):
-            offset = 0
-            for name in names:
-                if name not in module:
-                    raise CorruptCheckpointError(
-                        f"{self._model_files[0]}: no parameter {name!r} in the module's state"
-                    )
-                shape = _shape(module[name].shape)
-                numel = math.prod(shape)
-                params[name] = _Param(name, shape, g, g, (Extent(0, offset, 0, numel),))
-                offset += numel
-        return params
-
-    def _layout_universal(self, shapes: list[dict[str, Any]]) -> dict[str, _Param]:
-        owner = self._groups_of_spaces(len(shapes)) if self.zero_stage == 3 else None
-        params = {}
-        for space, group in enumerate(shapes):
-            g = owner[space] if owner is not None else space
-            for name, size in group.items():
-                shape = _shape(size)
-                extent = Extent(0, 0, 0, math.prod(shape))
-                params[name] = _Param(name, shape, g, space, (extent,))
-        return params
+        if self.universal:
+            owner = groups_of_spaces(groups, len(shapes)) if self.zero_stage == 3 else None
+            return layout_universal(shapes, owner)
+        if self.zero_stage == 3:
+            return layout_stage3(shapes, groups_of_spaces(groups, len(shapes)), self.world_size)
+        if self.zero_stage in (1, 2):
+            paddings = first.get("param_alignment_paddings") or [None] * len(shapes)
+            fp32 = self._osd(0)["single_partition_of_fp32_groups"]
+            return layout_stage12(shapes, paddings, [int(t.numel()) for t in fp32])
+        return layout_stage0(group_names, self.model_states["module"], str(self._model_files[0]))
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -378,13 +272,13 @@ class DeepSpeedCheckpoint:
         """The parameters without optimizer state, and their shapes. Stages 0-2 do not always
         list them (ZeRO-1 does not), but their module state holds every parameter whole."""
         shapes = {
-            n: _shape(s) for n, s in (self.model_states.get("frozen_param_shapes") or {}).items()
+            n: shape_of(s) for n, s in (self.model_states.get("frozen_param_shapes") or {}).items()
         }
         if self.zero_stage < 3 and not self.universal:
             taken = self.params.keys() | self.buffers().keys() | self.shared().keys()
             for name, tensor in (self.model_states.get("module") or {}).items():
                 if name not in taken and name not in shapes:
-                    shapes[name] = _shape(tensor.shape)
+                    shapes[name] = shape_of(tensor.shape)
         return shapes
 
     def shared(self) -> dict[str, str]:
