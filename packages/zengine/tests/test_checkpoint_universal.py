@@ -6,7 +6,7 @@ Without DeepSpeed: zstack trains the fixture model (`_ds_fixture.py`) at world s
 states and step counts, as plain data (each file loads with ``weights_only=True``), in
 DeepSpeed's layout; the offline exporter writes the same files.
 
-Marked ``deepspeed`` (the real DeepSpeed beside zengine: ``nox -s "tests(deepspeed-interop)"``):
+Marked ``deepspeed`` (the real DeepSpeed beside zengine: ``nox -s interop``):
 zstack trains and saves at 4 ranks; DeepSpeed loads the export at 1 and at 2 ranks with
 ``"checkpoint": {"load_universal": true}`` at ZeRO 1, 2 and 3, in fp32 and bf16: right after the
 load its masters and Adam moments are bit-identical to zstack's, and it continues training with
@@ -317,7 +317,16 @@ class TestUniversalOtherOptimizers(DistributedTest):
 # ---- DeepSpeed loads the export (the real DeepSpeed, marked `deepspeed`) ----------------------
 
 SAVED_AT = 4  # zstack's world size; DeepSpeed loads at 1 and 2
-RUNS = [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16")]
+# (ZeRO stage, precision, DeepSpeed's world size): every stage and precision, and each
+# precision at both world sizes (a DeepSpeed start is about 20 s on 2 cores)
+RUNS = [
+    (1, "fp32", 1),
+    (1, "bf16", 2),
+    (2, "fp32", 2),
+    (2, "bf16", 1),
+    (3, "fp32", 1),
+    (3, "bf16", 2),
+]
 # The largest loss difference allowed, both for DeepSpeed continuing from the export against
 # zstack continuing its own run and for the two engines from the same start (`own`). Measured on
 # CPU with DeepSpeed 0.19.8 (zstack at 4 ranks, DeepSpeed at 1 and 2, ZeRO 1-3 alike but where
@@ -328,10 +337,10 @@ TOLERANCE = {"fp32": 5e-5, "bf16": 2e-2}
 JOB = Path(__file__).with_name("_universal_deepspeed_job.py")
 
 
-@pytest.fixture(params=RUNS, ids=[f"stage{s}-{p}" for s, p in RUNS])
-def run(request: pytest.FixtureRequest) -> tuple[int, str]:
-    stage, precision = request.param
-    return stage, precision
+@pytest.fixture(params=RUNS, ids=[f"stage{s}-{p}-at{w}" for s, p, w in RUNS])
+def run(request: pytest.FixtureRequest) -> tuple[int, str, int]:
+    stage, precision, world = request.param
+    return stage, precision, world
 
 
 @pytest.fixture(scope="module")
@@ -350,8 +359,8 @@ class zstack_saved(DistributedFixture):
 
     world_size = SAVED_AT
 
-    def run(self, runs_dir: Path, run: tuple[int, str]) -> None:
-        stage, precision = run
+    def run(self, runs_dir: Path, run: tuple[int, str, int]) -> None:
+        stage, precision, _ = run
         folder = run_folder(runs_dir, stage, precision)
         if (folder / "zstack.pt").exists():  # written after the last collective: all ranks agree
             return
@@ -373,7 +382,7 @@ def real_deepspeed() -> None:
     try:
         version = importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("needs the real DeepSpeed (nox -s 'tests(deepspeed-interop)')")
+        pytest.skip("needs the real DeepSpeed (nox -s interop)")
     if "zstack" in version:
         pytest.skip(f"needs the real DeepSpeed, not zstack's compatibility package {version}")
 
@@ -388,16 +397,14 @@ class TestDeepSpeedContinues:
     """DeepSpeed runs under torchrun, in processes of its own: it keeps process groups in module
     globals, which a pooled test worker's next world would find stale."""
 
-    @pytest.mark.parametrize("world", [1, 2])
     def test_from_the_export(
         self,
         real_deepspeed: None,
         zstack_saved: None,
         runs_dir: Path,
-        run: tuple[int, str],
-        world: int,
+        run: tuple[int, str, int],
     ) -> None:
-        stage, precision = run
+        stage, precision, world = run
         folder = run_folder(runs_dir, stage, precision)
         job = folder / f"deepspeed-{world}"
         job.mkdir()

@@ -1,5 +1,5 @@
 """zstack reads what the installed DeepSpeed writes, checked against DeepSpeed itself (marked
-``deepspeed``: ``nox -s "tests(deepspeed-interop)"`` runs them beside DeepSpeed 0.19.8 from PyPI).
+``deepspeed``: ``nox -s interop`` runs them beside DeepSpeed 0.19.8 from PyPI).
 
 The fixtures in deepspeed_checkpoints/ were written once; here DeepSpeed writes afresh, so a
 DeepSpeed release that changes its files is caught: its own ``zero_to_fp32`` and zstack's
