@@ -332,6 +332,16 @@ class TestConsolidate(DistributedTest):
         state = get_fp32_state_dict_from_zero_checkpoint(fx.FIXTURES / "stage0_fp32_ws2")
         assert set(state) == set(fx.model().state_dict())
 
+    def test_a_pipeline_folder_is_named(self) -> None:
+        """DeepSpeed's pipeline checkpoint names its layers by index: only a pipeline engine
+        knows their names (a tied layer's), so neither an engine of one stage nor the offline
+        tools take it."""
+        folder = fx.FIXTURES / "pipe_stage1_pp2_dp2"
+        with pytest.raises(CheckpointMismatchError, match="DeepSpeed's pipeline engine"):
+            get_fp32_state_dict_from_zero_checkpoint(folder)
+        with pytest.raises(CheckpointMismatchError, match="zengine.pipe.PipelineEngine"):
+            engine(fx.config("stage1_fp32_ws2", 1)).load_checkpoint(folder)
+
     def test_a_folder_of_neither_kind_is_named(self, tmp_path: Path) -> None:
         (tmp_path / "global_step3").mkdir()
         (tmp_path / "global_step3" / "weights.bin").write_bytes(b"\0")

@@ -76,6 +76,12 @@ class DeepSpeedCheckpoint:
                 "*_expert_*): zstack has no expert parallelism (train MoE experts as ZeRO-3 "
                 "leaf modules; see the compat package's README)"
             )
+        if module is None and ds_files.pipeline_layer_files(directory):
+            raise CheckpointMismatchError(
+                f"{directory} was saved by DeepSpeed's pipeline engine (its layer_*.pt files): "
+                "it loads into a zengine.pipe.PipelineEngine of the same layers, whose names "
+                "for them only the pipeline knows (consolidate what that engine saves)"
+            )
         model_files = ds_files.model_state_files(directory, mp_rank)
         if not model_files:
             raise CorruptCheckpointError(

@@ -26,12 +26,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from zengine._checkpoint._ds_checkpoint import DeepSpeedCheckpoint
-from zengine._checkpoint._ds_pipeline import DeepSpeedPipelineCheckpoint, is_pipeline
-from zengine._checkpoint._errors import (
-    CheckpointError,
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-)
+from zengine._checkpoint._ds_pipeline import DeepSpeedPipelineCheckpoint
+from zengine._checkpoint._errors import CheckpointError, CorruptCheckpointError
 from zengine._checkpoint._manifest import FORMAT, check, describe
 from zengine._checkpoint._pieces import Piece
 from zengine._checkpoint._state import (
@@ -109,7 +105,7 @@ def _fill(entries: dict[str, Any], ck: Source) -> None:
             ck.read_key(key, offset, offset + data.numel(), out=data)
 
 
-def _stored(engine: Engine, ck: Source) -> dict[str, STORAGE_TYPES]:
+def _stored(ck: Source) -> dict[str, STORAGE_TYPES]:
     """The optimizer state the checkpoint holds, as DCP metadata by zstack's keys: the state
     the engine's optimizer lacks (a fresh engine) is made in these shapes."""
     fp32 = TensorProperties(dtype=torch.float32)
@@ -125,7 +121,7 @@ def _stored(engine: Engine, ck: Source) -> dict[str, STORAGE_TYPES]:
     return stored
 
 
-def _steps(engine: Engine, ck: Source, entries: dict[str, Any]) -> dict[str, Any]:
+def _steps(ck: Source, entries: dict[str, Any]) -> dict[str, Any]:
     """Each parameter's step count into its optimizer state (a 0-d tensor is written in place;
     a number is returned, for `apply_optimizer_objects`)."""
     objects: dict[str, Any] = {}
@@ -179,12 +175,7 @@ def load_deepspeed(
     ck: Source | None = checkpoint
     error: CheckpointError | None = None
     try:
-        if ck is None and is_pipeline(directory):
-            raise CheckpointMismatchError(
-                f"{directory} was saved by DeepSpeed's pipeline engine (its layer_*.pt files): "
-                "load it into a zengine.pipe.PipelineEngine of the same layers"
-            )
-        if ck is None:
+        if ck is None:  # a pipeline's folder is refused, by name, for an engine of one stage
             ck = DeepSpeedCheckpoint(directory, group_names(engine))
         check(
             describe_deepspeed(ck, engine, only),
@@ -209,10 +200,10 @@ def load_deepspeed(
         with frozen_shards_in_memory(engine), torch.no_grad():
             entries: dict[str, Any] = dict(model_entries(engine, saved_masters=ck.params))
             if load_optimizer_states:
-                entries.update(optimizer_destinations(engine, _stored(engine, ck)))
+                entries.update(optimizer_destinations(engine, _stored(ck)))
             _fill(entries, ck)
             if load_optimizer_states:
-                objects = _steps(engine, ck, entries)
+                objects = _steps(ck, entries)
     except (CheckpointError, OSError, KeyError, IndexError, RuntimeError) as exc:
         failure = f"{type(exc).__name__}: {exc}"
     sync.agree(f"load_checkpoint({str(directory)!r}): reading", failure, CorruptCheckpointError)
