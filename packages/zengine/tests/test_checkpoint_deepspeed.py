@@ -339,7 +339,7 @@ class TestConsolidate(DistributedTest):
         folder = fx.FIXTURES / "pipe_stage1_pp2_dp2"
         with pytest.raises(CheckpointMismatchError, match="DeepSpeed's pipeline engine"):
             get_fp32_state_dict_from_zero_checkpoint(folder)
-        with pytest.raises(CheckpointMismatchError, match="zengine.pipe.PipelineEngine"):
+        with pytest.raises(CheckpointMismatchError, match=r"zengine\.pipe\.PipelineEngine"):
             engine(fx.config("stage1_fp32_ws2", 1)).load_checkpoint(folder)
 
     def test_a_folder_of_neither_kind_is_named(self, tmp_path: Path) -> None:
