@@ -26,15 +26,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.checkpoint.ds_to_universal import (  # type: ignore[import-not-found]
+
+import deepspeed
+from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.ds_to_universal import (
     main as ds_to_universal,
 )
 
-import deepspeed  # type: ignore[import-not-found]
-from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO  # type: ignore[import-not-found]
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import _ds_fixture as fixture
+import _ds_fixture as fixture  # type: ignore[import-not-found]
 
 UNIVERSAL = ("stage2_fp32_ws2", "stage3_fp32_ws2", "stage3_bf16_ws2")
 TAG = f"global_step{fixture.STEPS_BEFORE}"
@@ -107,7 +107,7 @@ def make(case: str) -> None:
 
 
 def pipe_engine(case: str) -> Any:
-    from deepspeed.pipe import (  # type: ignore[import-not-found]
+    from deepspeed.pipe import (
         LayerSpec,
         PipelineModule,
         TiedLayerSpec,
