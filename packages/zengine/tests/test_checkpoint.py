@@ -202,8 +202,9 @@ class TestResume(DistributedTest):
         resume_matches(3, tmp_path, bf16={"enabled": True})
 
     def test_resume_fp16_keeps_loss_scale(self, tmp_path: Path) -> None:
-        # a window of one clean step: the scale doubles at every step, so a scaler that a load
-        # left at its initial state would differ from the saved one
+        # a window of one clean step: the scale doubles at every step but the first (DeepSpeed
+        # does not count the first), so a scaler that a load left at its initial state would
+        # differ from the saved one
         fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1}
         saved: dict[str, Any] = {}
 
@@ -222,7 +223,7 @@ class TestResume(DistributedTest):
             before_save=lambda e: saved.update(scaler(e)),
             after_load=same_scaler,
         )
-        assert saved["cur_scale"] == 2.0 ** (8 + STEPS), saved  # changed by the steps
+        assert saved["cur_scale"] == 2.0 ** (8 + STEPS - 1), saved  # changed by the steps
         assert saved["cur_iter"] == STEPS, saved
 
     def test_layout_is_by_name_and_latest_last(self, tmp_path: Path) -> None:

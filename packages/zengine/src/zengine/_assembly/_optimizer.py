@@ -135,8 +135,8 @@ def make_loss_scaler(cfg: EngineConfig, device: torch.device) -> LossScalerBase 
     fp16 = cfg.fp16
     if fp16.loss_scale:
         return StaticLossScaler(float(fp16.loss_scale))
-    # DeepSpeed's stage 0 scales with its FP16_Optimizer, whose raises come one clean step
-    # later and which keeps going at the minimum scale; its ZeRO stages stop the run there.
+    # DeepSpeed's stage 0 scales with its FP16_Optimizer, which keeps going at the minimum
+    # scale; its ZeRO stages stop the run there.
     stage_0 = cfg.zero_stage == 0
     return DynamicLossScaler(
         init_scale=2.0**fp16.initial_scale_power,
@@ -145,7 +145,6 @@ def make_loss_scaler(cfg: EngineConfig, device: torch.device) -> LossScalerBase 
         delayed_shift=fp16.hysteresis,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
         raise_error_at_min_scale=not stage_0,
-        window_after_overflow=stage_0,
     )
 
 

@@ -17,9 +17,9 @@ How a DeepSpeed config's ``"fp16"`` section (DeepSpeed's defaults in brackets) m
 * ``consecutive_hysteresis`` [false]: ``consecutive_hysteresis``.
 
 ``scale_factor`` (2) and ``raise_error_at_min_scale`` (True) have no config key in DeepSpeed.
-At ZeRO stage 0 DeepSpeed scales with its ``FP16_Optimizer``, whose raises come one clean step
-later and which never stops at the minimum: the engine sets ``window_after_overflow`` and
-clears ``raise_error_at_min_scale`` there.
+At ZeRO stage 0 DeepSpeed scales with its ``FP16_Optimizer``, which never stops at the minimum:
+the engine clears ``raise_error_at_min_scale`` there. Its raises come at the same steps as its
+ZeRO stages' (checked against DeepSpeed 0.19.8 by ``test_loss_scale_follows_deepspeeds``).
 """
 
 from __future__ import annotations
@@ -164,10 +164,10 @@ class DynamicLossScaler(LossScalerBase):
             `delayed_shift` overflows in a row lower the scale.
         raise_error_at_min_scale: raise `MinLossScaleError` when an overflow would lower a
             scale already at `min_scale`; if False, keep training at `min_scale`.
-        window_after_overflow: count a window's clean steps from the step after the last
-            overflow (and from the second step at the start), as DeepSpeed's
-            ``FP16_Optimizer`` at ZeRO stage 0 does: every raise then takes `scale_window` + 1
-            clean steps where its ZeRO scaler's takes `scale_window`.
+
+    A window's clean steps count from the step after the last overflow (and from the second
+    step at the start), as DeepSpeed counts them at every ZeRO stage: the first raise comes
+    after `scale_window` + 1 clean steps, each later one `scale_window` clean steps after it.
     """
 
     dynamic = True
@@ -181,7 +181,6 @@ class DynamicLossScaler(LossScalerBase):
         delayed_shift: int = 1,
         consecutive_hysteresis: bool = False,
         raise_error_at_min_scale: bool = True,
-        window_after_overflow: bool = False,
     ) -> None:
         name = type(self).__name__
         super().__init__(_check_positive(name, "init_scale", init_scale))
@@ -193,7 +192,6 @@ class DynamicLossScaler(LossScalerBase):
         self.delayed_shift = _check_count(name, "delayed_shift", delayed_shift)
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
         self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
-        self.window_after_overflow = bool(window_after_overflow)
         # Steps seen so far, and the step of the last overflow (-1: none yet, so the first
         # raise comes after scale_window clean steps from the start).
         self.cur_iter = 0
@@ -238,7 +236,8 @@ class DynamicLossScaler(LossScalerBase):
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            clean = self.cur_iter - self.last_overflow_iter - int(self.window_after_overflow)
+            # DeepSpeed's `stable_interval`: the step right after an overflow does not count
+            clean = self.cur_iter - self.last_overflow_iter - 1
             if clean > 0 and clean % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift

@@ -38,9 +38,7 @@ MIN_LOSS_SCALE = "min_scale"
 class DynamicLossScaler(zengine.DynamicLossScaler):
     """zengine's dynamic loss scale, made with DeepSpeed's constructor: its order of arguments
     (``scale_window`` second, where zengine's is ``scale_factor``), each required, and `dtype`,
-    which DeepSpeed reads only to word its log line. The scale factor is 2, and a window's
-    clean steps count from the step after the last overflow (zengine's
-    ``window_after_overflow``), as this class of DeepSpeed's counts them."""
+    which DeepSpeed reads only to word its log line. The scale factor is 2."""
 
     def __init__(
         self,
@@ -59,7 +57,6 @@ class DynamicLossScaler(zengine.DynamicLossScaler):
             delayed_shift=delayed_shift,
             consecutive_hysteresis=consecutive_hysteresis,
             raise_error_at_min_scale=raise_error_at_min_scale,
-            window_after_overflow=True,
         )
         self.dtype = dtype  # DeepSpeed's attribute
 
