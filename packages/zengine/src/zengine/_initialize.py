@@ -32,7 +32,7 @@ from zengine._assembly import (
     stage3_layout,
     swap_to_nvme,
 )
-from zengine._config import ConfigSource, EngineConfig, load_config
+from zengine._config import ConfigSource, EngineConfig, load_config, read_config
 from zengine._engine import Engine
 from zengine._errors import MissingArgumentError
 from zengine._optim import FlatLayout, ShardedLayout, ZeroOptimizer, mark_comm_dtypes
@@ -83,7 +83,11 @@ def initialize(
             config=config,
         )
     group = mpu.get_data_parallel_group() if mpu is not None else None
-    cfg = load_config(config, world_size=dist.get_world_size(group))
+    raw = read_config(config)
+    # a model without an optimizer (TRL's reference model, an inference engine) may come with
+    # a config the training run has yet to fill: its "auto" values take the defaults
+    with_optimizer = optimizer is not None or raw.get("optimizer") is not None
+    cfg = load_config(raw, world_size=dist.get_world_size(group), with_optimizer=with_optimizer)
     device = torch.device(zcomm.get_accelerator().current_device_name())
     groups, options = param_groups(model, optimizer, model_parameters)
     make_optimizer = optimizer_factory(optimizer, cfg)  # its errors come before any change

@@ -23,6 +23,7 @@ from zengine._config._batch import resolve_batch
 from zengine._config._deepspeed_keys import keys_at, set_aside
 from zengine._config._errors import ConfigError, config_error, describe_validation_error, show
 from zengine._config._grad_reduction import GradReduction
+from zengine._config._hf_edits import expand_dotted, without_auto
 from zengine._config._sections import (
     AioConfig,
     BF16Config,
@@ -231,21 +232,28 @@ ConfigSource = Mapping[str, Any] | str | os.PathLike[str] | None
 (None: the defaults)."""
 
 
-def load_config(config: ConfigSource, *, world_size: int) -> EngineConfig:
+def load_config(
+    config: ConfigSource, *, world_size: int, with_optimizer: bool = True
+) -> EngineConfig:
     """Validate a DeepSpeed config (a dict, or the path of a JSON file; None is ``{}``).
 
     ``world_size`` is the data-parallel size, which the batch sizes are resolved against:
     of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
     ``gradient_accumulation_steps``, the ones not given are derived as DeepSpeed does.
-    Raises `ConfigError` listing every problem found.
+    Dotted top-level keys (``"zero_optimization.reduce_bucket_size"``) set the nested key;
+    with ``with_optimizer=False`` (the config of a model without an optimizer: an inference or
+    a reference engine) ``"auto"`` values take the engine's defaults ([Note: dotted keys and
+    "auto"]). Raises `ConfigError` listing every problem found.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(
             f"load_config(world_size=...): expected a positive int, got {world_size!r}"
         )
-    aside = set_aside(read_config(config))  # [Note: DeepSpeed keys without a feature]
+    expanded, problems = expand_dotted(read_config(config), _GivenConfig)
+    if not with_optimizer:
+        expanded = without_auto(expanded)
+    aside = set_aside(expanded)  # [Note: DeepSpeed keys without a feature]
     data = aside.data
-    problems: list[str] = []
     given: _GivenConfig | None = None
     try:
         given = _GivenConfig.model_validate(data)
@@ -293,16 +301,16 @@ def read_section(config: ConfigSource, key: str) -> Section:
     if name is None or name not in sections:
         raise ConfigError([f"{key}: not a section of the config (sections: {', '.join(sections)})"])
     data = read_config(config)
-    given = {k: v for k, v in data.items() if _Sections._field_of(str(k)) == name}
+    given = {k: v for k, v in data.items() if _Sections._field_of(str(k).split(".")[0]) == name}
+    given, problems = expand_dotted(given, _Sections)  # [Note: dotted keys and "auto"]
     aside = set_aside(given)  # [Note: DeepSpeed keys without a feature]
+    problems += aside.problems
     try:
         validated = _Sections.model_validate(aside.data)
     except ValidationError as error:
-        raise ConfigError(
-            describe_validation_error(error, _Sections, keys_at) + aside.problems
-        ) from None
-    if aside.problems:
-        raise ConfigError(aside.problems)
+        raise ConfigError(describe_validation_error(error, _Sections, keys_at) + problems) from None
+    if problems:
+        raise ConfigError(problems)
     section: Section = getattr(validated, name)
     return section
 
