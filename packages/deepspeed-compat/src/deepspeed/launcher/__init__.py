@@ -1,4 +1,5 @@
-"""``deepspeed.launcher``: zstack launches with torchrun; `runner` keeps DeepSpeed's constants."""
+"""``deepspeed.launcher``: the ``deepspeed`` command (`runner`) and the per-node launcher
+(`launch`), on zcomm's launcher (`zcomm.launch`: torchrun on each node)."""
 
 from deepspeed.launcher import runner
 
