@@ -198,3 +198,23 @@ class TestInitializeAReferenceModel(DistributedTest):
                 model=nn.Linear(4, 4),
                 config={**training, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
             )
+
+
+def test_a_batch_size_of_one_ranks_samples_names_the_two_lines() -> None:
+    """Filled by a Trainer or an Accelerator that counted a world of one (Accelerate on a CPU
+    machine, its state made with no backend): the error says what to add."""
+    config = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+    }
+    (problem,) = _problems(config)
+    assert problem.startswith(
+        "train_batch_size 4 != train_micro_batch_size_per_gpu 2 * gradient_accumulation_steps 2 "
+        "* world size 2 = 8 (train_batch_size counts one rank's samples"
+    )
+    assert '`PartialState(backend="gloo")`' in problem
+    assert "`from accelerate import PartialState`" in problem
+    # another mismatch is only the sums
+    (problem,) = _problems({**config, "train_batch_size": 6})
+    assert problem.endswith("world size 2 = 8")

@@ -22,6 +22,7 @@ from deepspeed import (
 )
 from deepspeed.__about__ import __version__
 from deepspeed._refused import TENSOR_PARALLEL, UnsupportedFeatureError, refused
+from deepspeed.comm import init_distributed  # [Note: Accelerate's world on CPU]
 from deepspeed.git_version_info import git_branch as __git_branch__
 from deepspeed.git_version_info import git_hash as __git_hash__
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -29,7 +30,6 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from zengine import (
     DeepSpeedConfigError,
     add_config_arguments,
-    init_distributed,
     initialize,
 )
 

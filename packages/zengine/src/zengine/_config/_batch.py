@@ -81,7 +81,7 @@ def resolve_batch(
     if train is not None and train != product:
         return None, [
             f"{_TRAIN} {train} != {_MICRO} {micro} * {_ACCUMULATION} {accumulation} "
-            f"* world size {world} = {product}"
+            f"* world size {world} = {product}{_one_rank_hint(train, micro * accumulation, world)}"
         ]
     return (product, micro, accumulation), []
 
@@ -108,3 +108,19 @@ def _derive_accumulation(
             f"{_MICRO} {micro} * world size {world} = {per_step}"
         ]
     return (train, micro, train // per_step), []
+
+
+def _one_rank_hint(train: int, per_rank: int, world: int) -> str:
+    """What a train_batch_size of one rank's samples likely means: the program that filled it
+    (Transformers' Trainer, Accelerate) counted a world of one. Accelerate does on a machine
+    without an accelerator when its state is made before DeepSpeed's process group is up
+    without a backend named; the compatibility package gives it the backend when it starts the
+    group itself (its [Note: Accelerate's world on CPU]), this says what to write otherwise."""
+    if world == 1 or train != per_rank:
+        return ""
+    return (
+        f" ({_TRAIN} counts one rank's samples: whatever filled it saw a world of one, not "
+        f"{world}; Accelerate does so on a machine without an accelerator unless its state "
+        "names the backend: add `from accelerate import PartialState` and "
+        '`PartialState(backend="gloo")` before the TrainingArguments or the Accelerator)'
+    )
