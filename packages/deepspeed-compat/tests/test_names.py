@@ -8,6 +8,7 @@ import ast
 import importlib
 import importlib.metadata
 import importlib.util
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,3 +248,126 @@ def test_every_name_the_libraries_use_resolves() -> None:
     assert not missing, f"names the compatibility package lacks ({versions}):\n" + "\n".join(
         f"  {name}  (first at {use.file}:{use.line})" for name, use in sorted(missing.items())
     )
+
+
+# -- the config edits ---------------------------------------------------------------------------
+# Libraries also edit the DeepSpeed config they hand to ``deepspeed.initialize``: TRL's
+# prepare_deepspeed adds dotted top-level keys (``"zero_optimization.reduce_bucket_size"``) with
+# dict.update, computed from the model's hidden size, and leaves "auto" values in. Every such key
+# in a library's source is read here and given to zengine's config reader as TRL gives it.
+
+HIDDEN_SIZE = 64  # what the scanned expressions' ``hidden_size`` stands for
+
+
+@dataclass(frozen=True)
+class DottedKey:
+    """A dotted config key written in a dict literal, and its value for `HIDDEN_SIZE` (None
+    when the expression is not arithmetic on constants and ``hidden_size``)."""
+
+    key: str
+    value: float | None
+    file: str
+    line: int
+
+
+def _arithmetic(node: ast.expr) -> float | None:
+    """The value of ``hidden_size * hidden_size``, ``0.9 * hidden_size``... (None otherwise)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return node.value
+    if isinstance(node, ast.Name) and node.id == "hidden_size":
+        return HIDDEN_SIZE
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult | ast.Add):
+        left, right = _arithmetic(node.left), _arithmetic(node.right)
+        if left is None or right is None:
+            return None
+        return left * right if isinstance(node.op, ast.Mult) else left + right
+    return None
+
+
+def scan_dotted_keys(path: Path, sections: set[str]) -> list[DottedKey]:
+    """The dict literals' string keys in `path` of the form ``<section>.<key>``."""
+    source = path.read_text(encoding="utf-8", errors="replace")
+    if not any(f"{section}." in source for section in sections):
+        return []
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Dict):
+            continue
+        for key, value in zip(node.keys, node.values, strict=True):
+            if (
+                isinstance(key, ast.Constant)
+                and isinstance(key.value, str)
+                and key.value.split(".")[0] in sections
+                and "." in key.value
+            ):
+                found.append(DottedKey(key.value, _arithmetic(value), str(path), key.lineno))
+    return found
+
+
+def _config_sections() -> set[str]:
+    from pydantic import BaseModel
+
+    from zengine.config import EngineConfig
+
+    def is_section(annotation: object) -> bool:  # a model, or a model | None
+        kinds = typing.get_args(annotation) or (annotation,)
+        return any(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds)
+
+    return {name for name, f in EngineConfig.model_fields.items() if is_section(f.annotation)}
+
+
+def test_the_dotted_key_scan_reads_update_calls(tmp_path: Path) -> None:
+    source = tmp_path / "lib.py"
+    source.write_text(
+        "def prepare(config, hidden_size):\n"
+        "    config.update({'zero_optimization.reduce_bucket_size': hidden_size * hidden_size,\n"
+        "                   'zero_optimization.stage3_prefetch_bucket_size': 0.9 * hidden_size,\n"
+        "                   'zero_optimization.x': max(hidden_size, 1), 'not.a_section': 1})\n"
+    )
+    found = {(k.key, k.value) for k in scan_dotted_keys(source, {"zero_optimization"})}
+    assert found == {
+        ("zero_optimization.reduce_bucket_size", HIDDEN_SIZE * HIDDEN_SIZE),
+        ("zero_optimization.stage3_prefetch_bucket_size", 0.9 * HIDDEN_SIZE),
+        ("zero_optimization.x", None),
+    }
+
+
+def test_the_config_keys_trl_writes_are_read() -> None:
+    """TRL's dotted keys, in the config prepare_deepspeed makes for a reference model (the
+    Trainer's, "auto" values left in, the optimizer dropped), set the nested keys."""
+    sources = installed_sources("trl")
+    if not sources:
+        pytest.skip("trl is not installed (an optional library here)")
+    from zengine.config import load_config
+
+    sections = _config_sections()
+    keys = [k for path in sources for k in scan_dotted_keys(path, sections)]
+    assert any(k.file.endswith(str(Path("models", "utils.py"))) for k in keys), (
+        "no dotted config key found in trl/models/utils.py (prepare_deepspeed): the scan or "
+        "TRL changed"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+    }
+    values = {k.key: 1000 if k.value is None else k.value for k in keys}
+    cfg = load_config({**config, **values}, world_size=1, with_optimizer=False)
+    version = importlib.metadata.version("trl")
+    for key, value in values.items():
+        section, *inner = key.split(".")
+        read = getattr(cfg, section)
+        for part in inner:
+            read = read[part]
+        where = next(f"{k.file}:{k.line}" for k in keys if k.key == key)
+        assert read == int(value), f"trl {version}'s {key} ({where}): read {read!r}, wrote {value}"
