@@ -194,7 +194,7 @@ class TestUniversalExport(DistributedTest):
             assert (root / "latest").read_text() == TAG  # our own checkpoint, as always
             assert (root / "latest_universal").read_text() == UNIVERSAL
             assert sorted(p.name for p in root.iterdir()) == sorted(
-                [TAG, UNIVERSAL, "latest", "latest_universal"]
+                [TAG, UNIVERSAL, "latest", "latest_universal", "zero_to_fp32.py"]
             )
             check_export(root / UNIVERSAL, engine, state, precision)
             # the offline exporter writes the same files from the checkpoint alone
@@ -278,7 +278,7 @@ class TestUniversalOtherOptimizers(DistributedTest):
         assert f"{tmp_path / UNIVERSAL} (rank 0)" in message
         assert "the optimizer state 'scale' of embed.weight is not one value per element" in message
         # the checkpoint itself was saved, and is what 'latest' names; nothing else is left
-        assert sorted(p.name for p in tmp_path.iterdir()) == [TAG, "latest"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [TAG, "latest", "zero_to_fp32.py"]
         resumed = sgd_engine(2, scaled=True)
         assert resumed.load_checkpoint(tmp_path)[0] == str(tmp_path / TAG)
 
@@ -289,7 +289,7 @@ class TestUniversalOtherOptimizers(DistributedTest):
         engine.save_checkpoint(tmp_path, tag="saved", universal=True)  # replaces both
         if zcomm.get_rank() == 0:
             assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-                ["saved", "saved_universal", "latest", "latest_universal"]
+                ["saved", "saved_universal", "latest", "latest_universal", "zero_to_fp32.py"]
             )
             kept = tmp_path / "mine"
             kept.mkdir()

@@ -5,7 +5,8 @@ Owns ``save_checkpoint`` / ``load_checkpoint`` (_save_load.py) over torch.distri
 checkpoint is of (_manifest.py), the directory, ``latest`` and the CRCs (_files.py), the ranks'
 agreement (_sync.py), a pipeline's checkpoint in stages (_stages.py, _stage_layout.py,
 _stage_reshape.py), ``zengine consolidate`` and zero_to_fp32's reading (_consolidate.py), the
-16-bit model save (_save_16bit.py), and Hugging Face safetensors: the format (_safetensors.py),
+16-bit model save (_save_16bit.py), the ``zero_to_fp32.py`` written into a save_dir
+(_recovery.py), and Hugging Face safetensors: the format (_safetensors.py),
 a checkpoint's files (_safetensors_checkpoint.py) and a load into a ZeRO-3 model
 (_safetensors_load.py); DeepSpeed's checkpoints read into an engine or consolidated: its files
 (_ds_files.py), where each parameter lies in them (_ds_layout.py), their reading by
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
         consolidate_shards,
         contents_of,
         fp32_state_dict,
+        open_model,
         read_tensors,
     )
     from zengine._checkpoint._save_16bit import gathered_state, save_16bit_model
@@ -69,6 +71,7 @@ __all__ = [
     "load_checkpoint",
     "load_safetensors_into",
     "load_stages",
+    "open_model",
     "read_safetensors",
     "read_tensors",
     "resolve",
@@ -87,6 +90,7 @@ _LAZY = {
         "consolidate_shards",
         "contents_of",
         "fp32_state_dict",
+        "open_model",
         "read_tensors",
     ),
     "_save_16bit": ("gathered_state", "save_16bit_model"),

@@ -4,7 +4,10 @@ The checkpoint holds every parameter's master weights as chunks of the flattened
 (see [Note: checkpoints keyed by parameter name]), so a parameter is rebuilt by reading its
 chunks, whatever world size wrote them, in a single process without torch.distributed. A
 DeepSpeed checkpoint (its own layout or a universal one) is read the same way, by parameter
-name, through `DeepSpeedCheckpoint` ([Note: reading DeepSpeed's layouts]).
+name, through `DeepSpeedCheckpoint` ([Note: reading DeepSpeed's layouts]). A pipeline
+engine's checkpoint (one per stage, _stages.py) is read stage after stage, as one model: a
+PipelineModule names its parameters by global layer index, and a tied weight, saved by every
+stage that holds it, is read from the lowest.
 
 [Note: streaming consolidation]
 Parameters are read a batch at a time (at most `budget` bytes of fp32, or one parameter if it
@@ -38,6 +41,7 @@ from zengine._checkpoint._ds_files import is_deepspeed
 from zengine._checkpoint._errors import CorruptCheckpointError
 from zengine._checkpoint._pieces import Piece, PieceLoadPlanner
 from zengine._checkpoint._safetensors import SafetensorsWriter, write_tensor
+from zengine._checkpoint._stage_layout import read_layout, stage_dir
 
 __all__ = [
     "Entry",
@@ -46,6 +50,7 @@ __all__ = [
     "contents_of",
     "fp32_state_dict",
     "iter_fp32",
+    "open_model",
     "read_tensors",
 ]
 
@@ -62,6 +67,11 @@ class _Contents:
 
     entries: list[Entry]  # each tensor once, in model order
     aliases: dict[str, list[str]]  # an entry's name -> the other names of the same parameter
+    where: Path  # the checkpoint directory its entries are read from
+    stages: dict[str, Path] = dataclasses.field(default_factory=dict)  # a pipeline's: by name
+
+    def directory_of(self, name: str) -> Path:
+        return self.stages.get(name, self.where)
 
 
 def _deepspeed_contents(ck: DeepSpeedCheckpoint, exclude_frozen: bool) -> _Contents:
@@ -91,7 +101,7 @@ def _deepspeed_contents(ck: DeepSpeedCheckpoint, exclude_frozen: bool) -> _Conte
     for other, name in ck.shared().items():
         if name in kept:
             aliases.setdefault(name, []).append(other)
-    return _Contents(entries, aliases)
+    return _Contents(entries, aliases, ck.directory)
 
 
 def contents_of(directory: Path, exclude_frozen: bool = False) -> _Contents:
@@ -116,7 +126,62 @@ def contents_of(directory: Path, exclude_frozen: bool = False) -> _Contents:
     for other, name in manifest.get("shared", {}).items():  # older checkpoints: none recorded
         if name in kept:
             aliases.setdefault(name, []).append(other)
-    return _Contents(entries, aliases)
+    return _Contents(entries, aliases, directory)
+
+
+def _pipeline_stages(root: Path, tag: str | None) -> list[Path] | None:
+    """The stage directories of a pipeline engine's checkpoint in `root` (its tag `tag` or
+    the one ``latest`` names); None if `root` holds none."""
+    if (root / files.MANIFEST).exists() or not stage_dir(root, 0).is_dir():
+        return None
+    tag = tag if tag is not None else files.read_latest(root)
+    if tag is None:
+        return None
+    layout = read_layout(root, tag)
+    if layout is not None:
+        return [stage_dir(root, s) / tag for s in range(layout.stages)]
+    stages: list[Path] = []  # saved before pipeline-<tag>.json existed: every stage<s> in a row
+    while stage_dir(root, len(stages)).is_dir():
+        stages.append(stage_dir(root, len(stages)) / tag)
+    return stages
+
+
+def open_model(
+    checkpoint: str | os.PathLike[str], tag: str | None = None, exclude_frozen: bool = False
+) -> _Contents:
+    """What the checkpoint `checkpoint` (a checkpoint directory, or a save_dir and its tag
+    `tag` or ``latest``'s) holds: zstack's, a pipeline engine's (its stages, as one model) or
+    DeepSpeed's."""
+    root = Path(checkpoint)
+    stages = _pipeline_stages(root, tag)
+    if stages is None:
+        return contents_of(files.resolve(checkpoint, tag), exclude_frozen)
+    merged = _Contents([], {}, root / (tag or files.read_latest(root) or ""))
+    for directory in stages:
+        contents = contents_of(directory, exclude_frozen)
+        for entry in contents.entries:
+            if entry[0] not in merged.stages:  # a tied weight: the lowest stage's
+                merged.entries.append(entry)
+                merged.stages[entry[0]] = directory
+        for name, others in contents.aliases.items():
+            known = merged.aliases.setdefault(name, [])
+            known.extend(o for o in others if o not in known)
+    return merged
+
+
+def read_model(
+    contents: _Contents, entries: list[Entry], budget: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`read_tensors` of `entries`, each from its own directory (a pipeline's stage)."""
+    runs: list[list[Entry]] = []
+    for entry in entries:
+        if not runs or contents.directory_of(entry[0]) != contents.directory_of(runs[-1][0][0]):
+            runs.append([])
+        runs[-1].append(entry)
+    for run in runs:
+        for name, tensor in read_tensors(contents.directory_of(run[0][0]), run, budget):
+            log.debug("zengine: read %s %s %s", name, tuple(tensor.shape), tensor.dtype)
+            yield name, tensor
 
 
 def _batches(entries: list[Entry], budget: int) -> Iterator[list[Entry]]:
@@ -174,9 +239,8 @@ def iter_fp32(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each parameter (fp32) and buffer of a checkpoint, in model order, a batch at a time; a
     parameter under several names (tied weights) comes under each, the same tensor."""
-    directory = files.resolve(checkpoint, tag)
-    contents = contents_of(directory, exclude_frozen_parameters)
-    for name, tensor in read_tensors(directory, contents.entries, budget):
+    contents = open_model(checkpoint, tag, exclude_frozen_parameters)
+    for name, tensor in read_model(contents, contents.entries, budget):
         yield name, tensor
         for other in contents.aliases.get(name, []):
             yield other, tensor
@@ -236,11 +300,10 @@ def consolidate(
     ``.safetensors``, else a ``torch.load``-able file. Streams (see [Note: streaming
     consolidation]). Tied weights: a torch.save file has every name, sharing one storage; a
     safetensors file, which cannot share, has the first name only (as Hugging Face saves)."""
-    directory = files.resolve(checkpoint, tag)
-    contents = contents_of(directory, exclude_frozen_parameters)
-    _log_start(directory, contents.entries, out)
+    contents = open_model(checkpoint, tag, exclude_frozen_parameters)
+    _log_start(contents, out)
     start = time.perf_counter()
-    target = _write(Path(out), directory, contents, contents.entries, budget)
+    target = _write(Path(out), contents, contents.entries, budget)
     log.info("zengine: wrote %s in %.1f s", target, time.perf_counter() - start)
     return target
 
@@ -255,18 +318,17 @@ def consolidate_shards(
     budget: int = DEFAULT_BUDGET,
     exclude_frozen_parameters: bool = False,
 ) -> list[Path]:
-    """Write `checkpoint`'s model into `out_dir` as Hugging Face lays out a model's weights:
-    ``pytorch_model.bin`` (or ``model.safetensors``), or, past `max_shard_bytes`, shards
-    ``pytorch_model-00001-of-0000N.bin``... and an index ``pytorch_model.bin.index.json``
-    naming each tensor's shard. Tensors go into shards in model order; one larger than the
-    limit has a shard of its own. Returns the files written, index last."""
-    directory = files.resolve(checkpoint, tag)
-    contents = contents_of(directory, exclude_frozen_parameters)
+    """Write `checkpoint`'s model into `out_dir` as DeepSpeed's zero_to_fp32 and Hugging Face
+    lay out a model's weights: ``pytorch_model.bin`` (or ``model.safetensors``), or, past
+    `max_shard_bytes`, shards ``pytorch_model-00001-of-0000N.bin``... and an index
+    ``pytorch_model.bin.index.json`` naming each tensor's shard (see `_shards`). Returns the
+    files written, index last."""
+    contents = open_model(checkpoint, tag, exclude_frozen_parameters)
     stem, suffix = ("model", ".safetensors") if safetensors else ("pytorch_model", ".bin")
     shards = _shards(contents.entries, max_shard_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _log_start(directory, contents.entries, out)
+    _log_start(contents, out)
     written, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         name = (
@@ -274,7 +336,7 @@ def consolidate_shards(
             if len(shards) == 1
             else f"{stem}-{i:05d}-of-{len(shards):05d}{suffix}"
         )
-        written.append(_write(out / name, directory, contents, shard, budget))
+        written.append(_write(out / name, contents, shard, budget))
         for entry in shard:
             aliases = [] if safetensors else contents.aliases.get(entry[0], [])
             weight_map.update({n: name for n in (entry[0], *aliases)})
@@ -282,7 +344,11 @@ def consolidate_shards(
         total = sum(torch.Size(e[3]).numel() * e[2].itemsize for e in contents.entries)
         index = out / f"{stem}{suffix}.index.json"
         index.write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map},
+                indent=2,
+                sort_keys=True,  # as DeepSpeed writes it
+            )
             + "\n"
         )
         written.append(index)
@@ -290,33 +356,45 @@ def consolidate_shards(
 
 
 def _shards(entries: list[Entry], max_bytes: int | None) -> list[list[Entry]]:
-    shards: list[list[Entry]] = [[]]
+    """`entries` split as huggingface_hub's ``split_torch_state_dict_into_shards`` splits a
+    state dict (DeepSpeed's zero_to_fp32 calls it): in order, a shard closed when the next
+    tensor would take it past `max_bytes`; a tensor larger than `max_bytes` gets a shard of its
+    own, placed where it closes, while the open shard stays open for the tensors after it."""
+    if max_bytes is None:
+        return [entries]
+    shards: list[list[Entry]] = []
+    current: list[Entry] = []
     size = 0
     for entry in entries:
         nbytes = torch.Size(entry[3]).numel() * entry[2].itemsize
-        if max_bytes is not None and shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
+        if nbytes > max_bytes:
+            shards.append([entry])
+            continue
+        if size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(entry)
         size += nbytes
+    if current or not shards:
+        shards.append(current)
     return shards
 
 
-def _log_start(directory: Path, entries: list[Entry], out: str | os.PathLike[str]) -> None:
+def _log_start(contents: _Contents, out: str | os.PathLike[str]) -> None:
+    entries = contents.entries
     log.info(
-        "zengine: consolidating %s (%d tensors, %d elements) into %s",
-        directory,
+        "zengine: consolidating %s%s (%d tensors, %d elements) into %s",
+        contents.where,
+        f" ({len(set(contents.stages.values()))} pipeline stages)" if contents.stages else "",
         len(entries),
         sum(torch.Size(e[3]).numel() for e in entries),
         out,
     )
 
 
-def _write(
-    target: Path, directory: Path, contents: _Contents, entries: list[Entry], budget: int
-) -> Path:
+def _write(target: Path, contents: _Contents, entries: list[Entry], budget: int) -> Path:
     """One file of `entries` (safetensors by its suffix, else torch.save), streamed."""
-    tensors = read_tensors(directory, entries, budget)
+    tensors = read_model(contents, entries, budget)
     if target.suffix == ".safetensors":
         writer = SafetensorsWriter(target, [(n, d, s) for n, _, d, s in entries], {"format": "pt"})
         for name, tensor in tensors:

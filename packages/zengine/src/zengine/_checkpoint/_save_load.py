@@ -29,6 +29,7 @@ from zengine._checkpoint._ds_load import load_deepspeed
 from zengine._checkpoint._errors import CheckpointError, CheckpointTagError, CorruptCheckpointError
 from zengine._checkpoint._manifest import check, describe
 from zengine._checkpoint._pieces import PieceLoadPlanner
+from zengine._checkpoint._recovery import write_recovery_script
 from zengine._checkpoint._state import (
     ENGINE,
     apply_engine_state,
@@ -102,12 +103,15 @@ def save_checkpoint(
     exclude_frozen_parameters: bool = False,
     *,
     universal: bool = False,
+    recovery_script: bool = True,
 ) -> bool:
     """Save everything training needs to resume exactly; every rank must call it. With
     `exclude_frozen_parameters` the frozen parameters are left out (DeepSpeed's: a PEFT
     adapter's checkpoint without the base model), to be loaded with ``load_module_strict=False``.
     With `universal`, rank 0 then writes the saved checkpoint as DeepSpeed's universal checkpoint
-    in ``save_dir/<tag>_universal`` (and, with `save_latest`, ``save_dir/latest_universal``)."""
+    in ``save_dir/<tag>_universal`` (and, with `save_latest`, ``save_dir/latest_universal``).
+    Rank 0 writes ``save_dir/zero_to_fp32.py`` as DeepSpeed does (see _recovery.py), unless
+    `recovery_script` is False (a pipeline's stage: its save_dir is not the one users run)."""
     sync = engine_sync(engine)
     sync.arrive("save_checkpoint")
     optimizer_of(engine).resident()  # offloaded to NVMe (offload_optimizer/param): read it back
@@ -132,7 +136,14 @@ def save_checkpoint(
     log.info("zengine: saving checkpoint %s to %s", tag, root)
     try:
         _write(
-            engine, sync, partial, root / tag, client_state, save_latest, exclude_frozen_parameters
+            engine,
+            sync,
+            partial,
+            root / tag,
+            client_state,
+            save_latest,
+            exclude_frozen_parameters,
+            recovery_script,
         )
     except BaseException as exc:
         if sync.rank == 0:
@@ -175,6 +186,7 @@ def _write(
     client_state: dict[str, Any] | None,
     save_latest: bool,
     exclude_frozen: bool,
+    recovery_script: bool,
 ) -> None:
     where = f"save_checkpoint to {final}"
     with frozen_shards_in_memory(engine):
@@ -194,6 +206,8 @@ def _write(
     error = None
     if sync.rank == 0:
         try:
+            if recovery_script:  # first: a save that cannot write it publishes nothing
+                write_recovery_script(final.parent)
             _finish(engine, partial, final, written, save_latest, exclude_frozen)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"

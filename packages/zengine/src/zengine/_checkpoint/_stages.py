@@ -49,6 +49,7 @@ from zengine._checkpoint._ds_files import resolve_deepspeed
 from zengine._checkpoint._ds_load import group_names, load_deepspeed
 from zengine._checkpoint._ds_pipeline import DeepSpeedPipelineCheckpoint, is_pipeline
 from zengine._checkpoint._errors import CheckpointError, CheckpointMismatchError
+from zengine._checkpoint._recovery import write_recovery_script
 from zengine._checkpoint._save_load import (
     engine_sync,
     load_checkpoint,
@@ -137,6 +138,7 @@ def save_stages(
             client_state,
             save_latest=False,
             exclude_frozen_parameters=exclude_frozen_parameters,
+            recovery_script=False,
         ),
         lambda failed: (
             f"save_checkpoint({str(root)!r}, tag={tag!r}): stage(s) {failed} failed to save; "
@@ -149,6 +151,7 @@ def save_stages(
             write_layout(root, tag, layout)
             if save_latest:
                 files.write_atomic(root / files.LATEST, tag.encode())
+            write_recovery_script(root)
         except OSError as exc:
             problem = f"{type(exc).__name__}: {exc}"
     # also the barrier: 'latest' is written before anyone goes on
