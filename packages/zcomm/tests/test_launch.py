@@ -358,3 +358,35 @@ def test_no_python_and_a_failing_rank(tmp_path: Path) -> None:
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert "RANK=0 ARGS=--local_rank=0 x" in proc.stdout
     assert "RANK=1 ARGS=--local_rank=1 x" in proc.stdout
+
+
+def test_two_nodes_started_separately_with_no_ssh(tmp_path: Path) -> None:
+    """``--no_ssh --node_rank R`` on each node (Accelerate's "nossh" launcher): the same
+    command on two "nodes" of this machine, one torchrun agent each, make one world of 2."""
+    (tmp_path / "hostfile").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    script = tmp_path / "run.sh"
+    script.write_text(
+        '#!/bin/sh\necho "RANK=$RANK WORLD=$WORLD_SIZE NODE=$GROUP_RANK NODES=$GROUP_WORLD_SIZE"\n'
+    )
+    script.chmod(0o755)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = (
+        f"-m zcomm.launch -H hostfile --no_ssh --master_addr 127.0.0.1 --master_port {_free_port()}"
+    )
+    tail = "--no_python --no_local_rank ./run.sh"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *common.split(), "--node_rank", str(node), *tail.split()],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    for node, (proc, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert proc.returncode == 0, out + err
+        assert f"RANK={node} WORLD=2 NODE={node} NODES=2" in out
+        assert "--nnodes=2" in err
