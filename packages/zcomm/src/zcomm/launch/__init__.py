@@ -10,6 +10,7 @@ processes. The pieces are pure functions, so what would run can be checked witho
 `torchrun_args`, `pdsh_command`, `slurm_command`.
 """
 
+from zcomm.launch._args import LAUNCHERS, REFUSED_LAUNCHERS, build_parser, parse_args
 from zcomm.launch._commands import (
     NODE_MODULE,
     PDSH_MAX_FAN_OUT,
@@ -35,12 +36,8 @@ from zcomm.launch._runner import (
     DEEPSPEED_ENVIRONMENT_NAME,
     DEEPSPEED_ENVIRONMENT_PATHS,
     EXPORT_ENVS,
-    LAUNCHERS,
-    REFUSED_LAUNCHERS,
-    build_parser,
     local_slots,
     main,
-    parse_args,
     read_env_file,
     resolve_resources,
 )
