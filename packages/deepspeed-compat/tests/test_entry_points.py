@@ -14,6 +14,7 @@ import dataclasses
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zcomm.launch import encode_world_info
 from zengine._checkpoint import fp32_state_dict, read_safetensors
 
 PACKAGE = Path(__file__).resolve().parents[1]  # packages/deepspeed-compat
@@ -31,7 +33,8 @@ TAG = "t"
 @dataclasses.dataclass(frozen=True)
 class Job:
     """A command's real job: its arguments (``{ckpt}``: zstack's save_dir, holding tag ``t``;
-    ``{out}``: an empty folder), what it must make under {out} (a state dict file: the
+    ``{out}``: an empty folder; ``{script}``: `SCRIPT`'s file, ``{port}``: a free port,
+    ``{world_info}``: `WORLD_INFO`), what it must make under {out} (a state dict file: the
     checkpoint's model) or print, and arguments it must refuse."""
 
     args: str
@@ -40,8 +43,24 @@ class Job:
     prints: str = ""
 
 
+# the launchers' jobs: two ranks (one, a node's agent) of `SCRIPT`, each writing {out}/rank<RANK>
+LAUNCH = "--num_gpus 2 --master_port {port} {script} {out}"
+NODE = "--world_info {world_info} --master_port {port} {script} {out}"
+WORLD_INFO = encode_world_info({"localhost": [0]})  # one node, one slot
+SCRIPT = """
+import os, sys
+out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]
+with open(os.path.join(out, "rank" + os.environ["RANK"]), "w") as f:
+    f.write(os.environ["WORLD_SIZE"])
+"""
+
 # a command (a console script or a module; "name subcommand" for each subcommand) -> its job
 JOBS = {
+    "deepspeed": Job(LAUNCH, "--num_gpus 0 {script}", "rank1"),
+    "deepspeed.launcher.runner": Job(LAUNCH, "--num_gpus 0 {script}", "rank1"),
+    "deepspeed.launcher.launch": Job(NODE, "--world_info !!! {script} {out}", "rank0"),
+    "ds_report": Job("", "--no-such-flag", prints="zstack"),
+    "deepspeed.env_report": Job("", "--no-such-flag", prints="zstack"),
     "deepspeed.utils.zero_to_fp32": Job(
         "{ckpt} {out} --safe_serialization", "{out}/none {out}", "model.safetensors"
     ),
@@ -136,6 +155,13 @@ def run_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess[str]]
         return list(pool.map(one, commands))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 def subcommands(help_text: str) -> list[str]:
     """The subcommands argparse lists under "positional arguments" as ``{a,b}``."""
     match = re.search(r"^positional arguments:\n\s+\{([^}]*)\}", help_text, re.M)
@@ -170,6 +196,9 @@ def test_the_known_commands_are_found() -> None:
     """The search finds what is there (a search that finds nothing would pass everything)."""
     names = {str(e) for e in ENTRY_POINTS}
     assert {"-m deepspeed.utils.zero_to_fp32", "-m deepspeed.checkpoint.ds_to_universal"} <= names
+    found = {e.name for e in ENTRY_POINTS}
+    stale = [k for k in [*JOBS, *INTERNAL] if k.split()[0] not in found]
+    assert not stale, f"jobs for commands that are gone: {stale}"
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=str)
@@ -186,12 +215,14 @@ def test_the_command_does_its_job(entry: EntryPoint, checkpoint: Path, tmp_path:
     names = [f"{entry.name} {s}" for s in subs] or [entry.name]
     missing = [n for n in names if n not in JOBS]
     assert not missing, f"{entry}: no real job in JOBS for {missing}"
+    (tmp_path / "job.py").write_text(SCRIPT)
+    places = {"script": str(tmp_path / "job.py"), "world_info": WORLD_INFO}
     commands: list[list[str]] = []
     outs: list[Path] = []
     for sub, name in zip(subs or [""], names, strict=True):
         job, out = JOBS[name], tmp_path / f"out-{sub}"
         out.mkdir()
-        fill = {"ckpt": str(checkpoint), "out": str(out)}
+        fill = {"ckpt": str(checkpoint), "out": str(out), "port": str(free_port()), **places}
         head = [*entry.command, sub] if sub else [*entry.command]
         commands.append([*head, "--help"])
         commands.append([*entry.command, *job.args.format(**fill).split()])

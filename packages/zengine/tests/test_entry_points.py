@@ -15,6 +15,7 @@ import dataclasses
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zcomm.launch import encode_world_info
 from zengine._checkpoint import fp32_state_dict, read_safetensors
 
 from ._ds_fixture import FIXTURES
@@ -35,8 +37,9 @@ CHECKPOINT = FIXTURES / "stage3_fp32_ws2"  # DeepSpeed's own, which zstack's too
 @dataclasses.dataclass(frozen=True)
 class Job:
     """A command's real job: its arguments (``{ckpt}``: a checkpoint, ``{out}``: an empty
-    folder), what it must make (a state dict file under {out}: the checkpoint's model) or
-    print, and arguments it must refuse."""
+    folder, ``{script}``: `SCRIPT`'s file, ``{port}``: a free port, ``{world_info}``:
+    `WORLD_INFO`), what it must make under {out} (a state dict file: the checkpoint's model)
+    or print, and arguments it must refuse."""
 
     args: str
     bad: str
@@ -44,14 +47,32 @@ class Job:
     prints: str = ""
 
 
+# the launchers' jobs: two ranks (one, a node's agent) of `SCRIPT`, each writing {out}/rank<RANK>
+LAUNCH = "--num_gpus 2 --master_port {port} {script} {out}"
+NODE = "--world_info {world_info} --master_port {port} {script} {out}"
+WORLD_INFO = encode_world_info({"localhost": [0]})  # one node, one slot
+SCRIPT = """
+import os, sys
+out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]
+with open(os.path.join(out, "rank" + os.environ["RANK"]), "w") as f:
+    f.write(os.environ["WORLD_SIZE"])
+"""
+
 # a command (a console script or a module; "name subcommand" for each subcommand) -> its job
 JOBS = {
     "zengine consolidate": Job("consolidate {ckpt} {out}/m.pt", "consolidate {out} x", "m.pt"),
+    "zengine launch": Job("launch " + LAUNCH, "launch --num_gpus 0 {script}", "rank1"),
+    "zengine report": Job("report", "report --no-such-flag", prints="zstack"),
     "zengine.utils.zero_to_fp32": Job("{ckpt} {out}", "{out}/none {out}", "pytorch_model.bin"),
+    "zcomm.launch": Job(LAUNCH, "--num_gpus 0 {script}", "rank1"),
+    "zcomm.launch.node": Job(NODE, "--world_info !!! {script} {out}", "rank0"),
     "zpipe": Job("1f1b --stages 2 --micro-batches 4", "no-such-schedule", prints="bubble"),
 }
 # modules runnable with -m that are no user's command: each must fail without its caller
-INTERNAL = {"zcomm._worker": "zcomm's pooled test worker, started with a socket to talk over"}
+INTERNAL = {
+    "zcomm._worker": "zcomm's pooled test worker, started with a socket to talk over",
+    "zcomm.launch._rank": "the launcher's rank shim, which torchrun's workers run",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +137,13 @@ def run_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess[str]]
         return list(pool.map(one, commands))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 def subcommands(help_text: str) -> list[str]:
     """The subcommands argparse lists under "positional arguments" as ``{a,b}``."""
     match = re.search(r"^positional arguments:\n\s+\{([^}]*)\}", help_text, re.M)
@@ -148,6 +176,9 @@ def test_the_known_commands_are_found() -> None:
     """The search finds what is there (a search that finds nothing would pass everything)."""
     names = {str(e) for e in ENTRY_POINTS}
     assert {"zengine", "-m zengine", "zpipe", "-m zpipe", "-m zengine.utils.zero_to_fp32"} <= names
+    found = {e.name for e in ENTRY_POINTS}
+    stale = [k for k in [*JOBS, *INTERNAL] if k.split()[0] not in found]
+    assert not stale, f"jobs for commands that are gone: {stale}"
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=str)
@@ -164,12 +195,14 @@ def test_the_command_does_its_job(entry: EntryPoint, tmp_path: Path) -> None:
     names = [f"{entry.name} {s}" for s in subs] or [entry.name]
     missing = [n for n in names if n not in JOBS]
     assert not missing, f"{entry}: no real job in JOBS for {missing}"
+    (tmp_path / "job.py").write_text(SCRIPT)
+    places = {"script": str(tmp_path / "job.py"), "world_info": WORLD_INFO}
     commands: list[list[str]] = []
     outs: list[Path] = []
     for sub, name in zip(subs or [""], names, strict=True):
         job, out = JOBS[name], tmp_path / f"out-{sub}"
         out.mkdir()
-        fill = {"ckpt": str(CHECKPOINT), "out": str(out)}
+        fill = {"ckpt": str(CHECKPOINT), "out": str(out), "port": str(free_port()), **places}
         head = [*entry.command, sub] if sub else [*entry.command]
         commands.append([*head, "--help"])
         commands.append([*entry.command, *job.args.format(**fill).split()])
