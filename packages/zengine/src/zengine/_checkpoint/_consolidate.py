@@ -411,7 +411,7 @@ def _stream_torch_save(
     aliases: dict[str, list[str]],
     tensors: Iterator[tuple[str, torch.Tensor]],
 ) -> None:
-    tmp = target.with_name(f".{target.name}.tmp")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # see SafetensorsWriter
     offsets = _torch_save_layout(tmp, entries, aliases)
     with open(tmp, "r+b") as f:
         for name, tensor in tensors:

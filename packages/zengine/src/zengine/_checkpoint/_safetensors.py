@@ -73,7 +73,9 @@ class SafetensorsWriter:
         metadata: dict[str, str] | None = None,
     ) -> None:
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
+        # a name of this process's: processes writing the same file (every rank converting a
+        # checkpoint, as DeepSpeed's tests do) each replace it whole
+        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
         self.order: list[tuple[str, torch.dtype, torch.Size]] = []
         offset = 0
