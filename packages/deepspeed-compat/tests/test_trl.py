@@ -2,7 +2,8 @@
 reference model, and `GRPOTrainer` with a reward model and a reference model, each of which TRL
 hands to ``deepspeed.initialize`` through its ``prepare_deepspeed`` (a config it edits: dotted
 keys added, the optimizer dropped, "auto" values left in). The losses equal the same trainers'
-without DeepSpeed (DDP over gloo). All scenarios run in one launch (scripts/trl_trainers.py).
+without DeepSpeed (DDP over gloo). All scenarios run in one launch (scripts/trl_trainers.py);
+the first, DPO at ZeRO-3, as TRL's docs write it (no ``PartialState(backend="gloo")`` first).
 """
 
 from __future__ import annotations

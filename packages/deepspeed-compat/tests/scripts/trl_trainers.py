@@ -2,15 +2,18 @@
 the same saved weights: run under torchrun by test_trl.py.
 
 ``trl_trainers.py RUN_DIR MODEL_DIR REWARD_DIR``: every scenario in one launch, each a fresh
-trainer; rank 0 writes what each logged. The reference and reward models are full models, which
-TRL hands, at ZeRO-3, to its ``prepare_deepspeed`` (``deepspeed.initialize`` with Accelerate's
-config, edited: dotted keys added, the optimizer dropped, "auto" values left in).
+trainer; rank 0 writes what each logged. The first, DPO at ZeRO-3, is written as TRL's docs
+write it, with no ``PartialState(backend="gloo")`` first. The reference and reward models are
+full models, which TRL hands, at ZeRO-3, to its ``prepare_deepspeed`` (``deepspeed.initialize``
+with Accelerate's config, edited: dotted keys added, the optimizer dropped, "auto" values left
+in).
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,9 +88,17 @@ def prompt_data(samples: int = 16) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"prompt": [words(generator, 6) for _ in range(samples)]})
 
 
-def common_args(name: str, zero3: bool) -> dict[str, Any]:
-    use_deepspeed_state(zero3)
+def common_args(name: str, zero3: bool, *, as_written: bool = False) -> dict[str, Any]:
+    """The arguments every run shares. `as_written`: the first run of the process, made as
+    TRL's docs write it (no Accelerate state made first: the compat package gives Accelerate
+    the world on a CPU machine); the others make Accelerate's state afresh for their kind."""
+    if not as_written:
+        use_deepspeed_state(zero3)
+        # TrainingArguments(deepspeed=...) sets it, and Accelerate reads it in later states
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    state = {} if as_written else {"accelerator_config": {"use_configured_state": zero3}}
     return {
+        **state,
         "output_dir": str(RUN_DIR / name),
         "max_steps": STEPS,
         "learning_rate": 1e-2,
@@ -99,7 +110,6 @@ def common_args(name: str, zero3: bool) -> dict[str, Any]:
         "use_cpu": not zero3,
         "ddp_backend": "gloo",
         "disable_tqdm": True,
-        "accelerator_config": {"use_configured_state": zero3},
         "deepspeed": copy.deepcopy(DS_CONFIG) if zero3 else None,
     }
 
@@ -113,9 +123,12 @@ def logged(trainer: transformers.Trainer, *keys: str) -> dict[str, Any]:
     return found
 
 
-def dpo(name: str, zero3: bool) -> dict[str, Any]:
+def dpo(name: str, zero3: bool, *, as_written: bool = False) -> dict[str, Any]:
     args = trl.DPOConfig(
-        **common_args(name, zero3), per_device_train_batch_size=2, max_length=16, beta=0.1
+        **common_args(name, zero3, as_written=as_written),
+        per_device_train_batch_size=2,
+        max_length=16,
+        beta=0.1,
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR)
     reference = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR)
@@ -166,11 +179,10 @@ def grpo(name: str, zero3: bool) -> dict[str, Any]:
     return found
 
 
-# the runs without DeepSpeed first: a DeepSpeed run's state outlives its trainer in places
 results = {
+    "dpo_zero3": dpo("dpo_zero3", zero3=True, as_written=True),
     "dpo_ddp": dpo("dpo_ddp", zero3=False),
     "grpo_ddp": grpo("grpo_ddp", zero3=False),
-    "dpo_zero3": dpo("dpo_zero3", zero3=True),
     "grpo_zero3": grpo("grpo_zero3", zero3=True),
 }
 write_result(results)
