@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -231,3 +232,31 @@ def test_shards_split_as_hugging_face_splits(size: str, tmp_path: Path) -> None:
     if split.is_sharded:
         index = json.loads((tmp_path / "out" / "pytorch_model.bin.index.json").read_text())
         assert index == {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+
+
+@pytest.mark.deepspeed
+def test_deepspeeds_functions_and_arguments_are_ours() -> None:
+    """Beside the real DeepSpeed (nox -s interop): its zero_to_fp32's functions take the
+    arguments ours take, with the same defaults, and its command line the same options."""
+    import inspect
+
+    import deepspeed.utils.zero_to_fp32 as theirs
+    import zengine.utils.zero_to_fp32 as ours
+
+    for name in (
+        "convert_zero_checkpoint_to_fp32_state_dict",
+        "get_fp32_state_dict_from_zero_checkpoint",
+        "load_state_dict_from_zero_checkpoint",
+    ):
+        mine, deepspeeds = (inspect.signature(getattr(m, name)) for m in (ours, theirs))
+        assert [(p.name, p.default) for p in mine.parameters.values()] == [
+            (p.name, p.default) for p in deepspeeds.parameters.values()
+        ], name
+
+    def options(module: str) -> set[str]:
+        done = run(["-m", module, "--help"])
+        assert done.returncode == 0, done.stderr
+        usage = done.stdout[done.stdout.index("usage:") :].split("\n\n")[0]  # DeepSpeed logs first
+        return set(re.findall(r"-{1,2}[\w-]+|\b\w+_dir\b", usage))
+
+    assert options("zengine.utils.zero_to_fp32") == options("deepspeed.utils.zero_to_fp32")
