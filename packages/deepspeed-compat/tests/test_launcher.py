@@ -117,10 +117,11 @@ def test_refusals_name_the_problem(tmp_path: Path) -> None:
     (tmp_path / "hostfile").write_text("worker-0 slots=2\n")
     with pytest.raises(ValueError, match="--include names host 'worker-9'"):
         runner.main(["-H", str(tmp_path / "hostfile"), "-i", "worker-9:0", "train.py"])
-    with pytest.raises(
-        ValueError, match="--launcher openmpi: zstack starts ranks through torchrun"
-    ):
-        runner.main(["--launcher", "openmpi", "train.py"])
+    (tmp_path / "hostfile").write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    with pytest.raises(ValueError, match="--launcher openmpi runs every slot of the hostfile"):
+        runner.main(
+            ["-H", str(tmp_path / "hostfile"), "--launcher", "openmpi", "-i", "worker-0", "t.py"]
+        )
     with pytest.raises(ValueError, match="--autotuning tune: zstack has no autotuner"):
         runner.main(["--autotuning", "tune", "train.py"])
 

@@ -260,11 +260,6 @@ def test_deepspeed_argument_names() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (
-            ["--launcher", "openmpi", "t.py"],
-            "--launcher openmpi: zstack starts ranks through torchrun",
-        ),
-        (["--launcher", "mvapich", "t.py"], "for MPI, start the script with your mpirun"),
         (["--launcher", "ssh", "t.py"], "--launcher 'ssh': choose one of pdsh, slurm, local"),
         (["--elastic_training", "t.py"], "--elastic_training: zstack's launcher runs a fixed"),
         (["--autotuning", "run", "t.py"], "--autotuning run: zstack has no autotuner"),

@@ -7,12 +7,13 @@ import argparse
 from collections.abc import Sequence
 
 from zcomm.launch._hostfile import DLTS_HOSTFILE, LaunchError
+from zcomm.launch._mpi import MPI_LAUNCHERS
 
-__all__ = ["DEFAULT_PORT", "LAUNCHERS", "REFUSED_LAUNCHERS", "build_parser", "parse_args", "refuse"]
+__all__ = ["DEFAULT_PORT", "LAUNCHERS", "build_parser", "parse_args", "refuse"]
 
 DEFAULT_PORT = 29500  # torch.distributed's and DeepSpeed's
-LAUNCHERS = ("pdsh", "slurm", "local")  # local: zstack's, every host is this machine
-REFUSED_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich")
+# local: zstack's, every host is this machine; the MPI ones run mpirun (zcomm.launch._mpi)
+LAUNCHERS = ("pdsh", "slurm", "local", *MPI_LAUNCHERS)
 
 
 def build_parser(prog: str = "deepspeed") -> argparse.ArgumentParser:
@@ -61,10 +62,14 @@ def build_parser(prog: str = "deepspeed") -> argparse.ArgumentParser:
     add(
         "--launcher",
         default="pdsh",
-        help="how several nodes are started: pdsh, slurm, or local (zstack: every host is "
-        "this machine); openmpi, mpich, impi, mvapich are refused",
+        help="how several nodes are started: pdsh, slurm, local (zstack: every host is "
+        "this machine), or mpirun of openmpi, mpich, impi, mvapich",
     )
-    add("--launcher_args", default="", help="arguments for pdsh or srun, one quoted string")
+    add(
+        "--launcher_args",
+        default="",
+        help="arguments for pdsh, srun or mpirun, one quoted string",
+    )
     add("--module", action="store_true", help="run the script as 'python -m'")
     add("--no_python", action="store_true", help="exec the script itself, without python")
     add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
@@ -128,12 +133,6 @@ def refuse(args: argparse.Namespace) -> None:
             "training run torchrun --nnodes MIN:MAX --rdzv-backend c10d on each node"
         )
     launcher = args.launcher.lower()
-    if launcher in REFUSED_LAUNCHERS:
-        raise LaunchError(
-            f"--launcher {args.launcher}: zstack starts ranks through torchrun on each node "
-            f"({', '.join(LAUNCHERS)}); for MPI, start the script with your mpirun yourself "
-            "(zcomm.init_distributed reads Open MPI's and MPICH's rank variables)"
-        )
     if launcher not in LAUNCHERS:
         raise LaunchError(f"--launcher {args.launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     if args.module and args.no_python:

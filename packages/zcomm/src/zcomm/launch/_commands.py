@@ -28,6 +28,7 @@ __all__ = [
     "RankOptions",
     "node_command",
     "pdsh_command",
+    "pdsh_environment",
     "pdsh_kill_command",
     "slurm_command",
     "torchrun_args",
@@ -171,6 +172,16 @@ def pdsh_command(
     remote.append(f"cd {shlex.quote(cwd)};")
     remote += [shlex.quote(word) for word in node_cmd]
     return _pdsh_prefix(hosts, launcher_args) + remote
+
+
+def pdsh_environment(environ: Mapping[str, str], ssh_port: int | None = None) -> dict[str, str]:
+    """pdsh's environment: its remote command through ssh, on ``ssh_port`` when given
+    (appended to ``PDSH_SSH_ARGS_APPEND``), as DeepSpeed's runner sets it."""
+    env = dict(environ)
+    env["PDSH_RCMD_TYPE"] = "ssh"
+    if ssh_port is not None:
+        env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {ssh_port}"
+    return env
 
 
 def pdsh_kill_command(hosts: Sequence[str], world_info: str, launcher_args: str = "") -> list[str]:

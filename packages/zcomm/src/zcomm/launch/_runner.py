@@ -4,7 +4,9 @@
 as DeepSpeed's runner does, and runs the node command (`node_command`) on each node: in this
 process for one node (or one node of a ``--no_ssh`` launch), through pdsh or srun for several,
 or as local processes with ``--launcher local`` (zstack's: every host of the hostfile is this
-machine, for trying a multi-node launch on one).
+machine, for trying a multi-node launch on one). With an MPI launcher (``openmpi``, ``mpich``,
+``impi``, ``mvapich``) several nodes run under one ``mpirun`` instead, without torchrun
+(`zcomm.launch._mpi`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -27,6 +30,7 @@ from zcomm.launch._commands import (
     RankOptions,
     node_command,
     pdsh_command,
+    pdsh_environment,
     pdsh_kill_command,
     slurm_command,
 )
@@ -36,6 +40,18 @@ from zcomm.launch._hostfile import (
     encode_world_info,
     parse_inclusion_exclusion,
     read_hostfile,
+)
+from zcomm.launch._mpi import (
+    MPI_LAUNCHERS,
+    MVAPICH_HOSTFILE,
+    check_mpi_filters,
+    impi_command,
+    mpi_default_exports,
+    mpi_rank_program,
+    mpich_command,
+    mvapich_command,
+    mvapich_hostfile_text,
+    openmpi_command,
 )
 
 __all__ = [
@@ -209,6 +225,39 @@ def _check_ssh(host: str, port: int | None) -> None:
         )
 
 
+def _mpi_command(
+    args: argparse.Namespace,
+    active: dict[str, list[int]],
+    hostfile: str,
+    rank: RankOptions,
+    exports: dict[str, str],
+) -> list[str]:
+    """One ``mpirun`` for every rank of every host (``--launcher openmpi|mpich|impi|mvapich``)."""
+    launcher = args.launcher.lower()
+    if shutil.which("mpirun") is None:
+        raise LaunchError(
+            f"--launcher {launcher}: mpirun is not on PATH; install {launcher}'s MPI, or use "
+            "--launcher pdsh or slurm (torchrun on each node)"
+        )
+    import torch  # after parsing, so --help stays quick
+
+    env_out = {**mpi_default_exports(launcher, torch.cuda.is_available()), **exports}
+    program = mpi_rank_program(
+        args.user_script, args.user_args, rank, log_prefix=time.strftime("%Y%m%d%H%M%S")
+    )
+    where = (args.master_addr, args.master_port, args.launcher_args)
+    if launcher == "openmpi":
+        given = hostfile if Path(hostfile).is_file() else None  # else --host from the pool
+        return openmpi_command(active, given, program, env_out, *where)
+    if launcher == "mpich":
+        return mpich_command(active, program, env_out, *where)
+    if launcher == "impi":
+        return impi_command(active, program, env_out, *where)
+    command = mvapich_command(active, program, env_out, *where)  # checks the slots first
+    Path(MVAPICH_HOSTFILE).write_text(mvapich_hostfile_text(active))
+    return command
+
+
 def _run_remote(
     args: argparse.Namespace,
     hosts: list[str],
@@ -226,11 +275,7 @@ def _run_remote(
             )
         if not args.no_ssh_check:
             _check_ssh(hosts[0], args.ssh_port)
-        env["PDSH_RCMD_TYPE"] = "ssh"
-        if args.ssh_port is not None:
-            env["PDSH_SSH_ARGS_APPEND"] = (
-                f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {args.ssh_port}"
-            )
+        env = pdsh_environment(env, args.ssh_port)
         full = pdsh_command(
             hosts, cmd("%n"), exports, os.path.abspath("."), args.launcher_args, args.venv_script
         )
@@ -241,6 +286,12 @@ def _run_remote(
         env.update(exports)
         full = slurm_command(hosts, cmd(-1), args.launcher_args)
         kill = None
+    return _run_command(full, env, kill)
+
+
+def _run_command(full: list[str], env: dict[str, str], kill: list[str] | None) -> int:
+    """Run the launcher command (pdsh, srun, mpirun); signals go on to it, and ``kill`` runs
+    after an interrupt."""
     _log.info("cmd = %s", " ".join(full))
     proc = subprocess.Popen(full, env=env)
 
@@ -266,6 +317,9 @@ def _launch(args: argparse.Namespace) -> int:
         raise LaunchError(f"--hostfile {args.hostfile}: no such file")
     if pool is None:
         pool = _local_pool(args, hostfile)
+    if launcher in MPI_LAUNCHERS and (args.force_multi or len(pool) > 1) and not args.no_ssh:
+        # before the filters narrow the hosts: one host left would run here, without mpirun
+        check_mpi_filters(launcher, args.include, args.exclude, args.num_nodes, args.num_gpus)
     active = resolve_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
     hosts = list(active)
     if args.no_ssh and not 0 <= args.node_rank < len(hosts):
@@ -322,6 +376,8 @@ def _launch(args: argparse.Namespace) -> int:
             _log.info("node %d: %s", index, " ".join(cmd(index)))
             procs.append(subprocess.Popen(cmd(index), env=env))
         return _wait_all(procs)
+    if launcher in MPI_LAUNCHERS:
+        return _run_command(_mpi_command(args, active, hostfile, rank, exports), env, None)
     return _run_remote(args, hosts, world_info, cmd, env, exports)
 
 
