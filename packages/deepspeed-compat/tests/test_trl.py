@@ -68,11 +68,17 @@ def test_dpo_training_moves_the_loss(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("key", ["loss", "reward", "kl"])
-def test_grpo_with_reward_and_reference_models_equals_ddp(runs: dict[str, Any], key: str) -> None:
-    assert runs["grpo_zero3"]["reward_is_engine"], "the reward model was not an engine"
-    assert runs["grpo_zero3"]["reference_is_engine"], "the reference model was not an engine"
+@pytest.mark.parametrize("run", ["grpo_zero3", "grpo_zero3_layerwise"])
+def test_grpo_with_reward_and_reference_models_equals_ddp(
+    runs: dict[str, Any], run: str, key: str
+) -> None:
+    """`grpo_zero3` generates as TRL does by default (``ds3_gather_for_generation``: the
+    policy gathered whole, the engine's hooks off), `grpo_zero3_layerwise` through the
+    engine's ZeRO-3 forward."""
+    assert runs[run]["reward_is_engine"], "the reward model was not an engine"
+    assert runs[run]["reference_is_engine"], "the reference model was not an engine"
     assert not runs["grpo_ddp"]["deepspeed"]
-    zero3, ddp = _logged(runs, "grpo_zero3", key), _logged(runs, "grpo_ddp", key)
+    zero3, ddp = _logged(runs, run, key), _logged(runs, "grpo_ddp", key)
     assert zero3 == pytest.approx(ddp, rel=1e-5, abs=1e-7)
 
 

@@ -613,6 +613,52 @@ class TestUnwrapModelForGeneration(DistributedTest):
         with pytest.raises(TypeError, match=r"expected the engine zengine\.initialize returned"):
             generation.__enter__()
 
+    @SIZES
+    def test_hooks_taken_off_and_put_back_through_parameter_offload(self, world_size: int) -> None:
+        """TRL's ZeRO-3 generation, step by step as its ``remove_hooks``/``add_hooks`` do it
+        on DeepSpeed's ``optimizer.parameter_offload``: inside ``GatheredParameters``, each
+        parameter's ``ds_active_sub_modules`` cleared, the hook handles removed and their
+        lists emptied, plain forwards, then ``_register_deepspeed_module``. The forwards
+        inside give the unpartitioned model's output, and training goes on as if the detour
+        had not been there."""
+        data = global_batches(4, 2 * world_size)
+        rank = zcomm.get_rank()
+        plain = TinyGPT()
+        runs = []
+        for generate in (False, True):
+            torch.manual_seed(0)
+            engine, optimizer, *_ = zengine.initialize(model=TinyGPT(), config=_config(3))
+            offload = optimizer.parameter_offload
+            assert offload is optimizer.parameter_offload  # one object: tools assign to it
+            losses = []
+            for i, tokens in enumerate(data):
+                if generate and i == 2:
+                    with zengine.zero.GatheredParameters(list(engine.parameters())):
+                        module = offload.module
+                        plain.load_state_dict(
+                            {k: v.clone() for k, v in module.state_dict().items()}
+                        )
+                        named = [p for _, p in module.named_parameters(recurse=True)]
+                        external = [p for _, p in module.ds_external_parameters()]
+                        for p in named + external:
+                            p.ds_active_sub_modules.clear()
+                        for hook in offload.forward_hooks + offload.backward_hooks:
+                            hook.remove()
+                        offload.forward_hooks, offload.backward_hooks = [], []
+                        assert not any(m._forward_pre_hooks for m in module.modules())
+                        with torch.no_grad():
+                            for _ in range(2):  # token after token: nothing is released
+                                assert torch.equal(engine(tokens), plain(tokens))
+                        offload._register_deepspeed_module(module)
+                    assert engine.module.embed._forward_pre_hooks
+                losses.append(_step(engine, tokens.chunk(world_size)[rank]).item())
+            runs.append(losses)
+            with pytest.raises(ValueError, match="hooks the partitioned model as a whole"):
+                offload._register_deepspeed_module(engine.module.embed)
+        assert runs[0] == runs[1]
+        stage_1, *_ = zengine.initialize(model=TinyGPT(), config=_config(1))
+        assert not hasattr(stage_1.optimizer, "parameter_offload")  # DeepSpeed's: stage 3 only
+
 
 class TestScriptArguments(DistributedTest):
     @pytest.mark.parametrize("world_size", [2])

@@ -296,6 +296,32 @@ class TestUnhooked(DistributedTest):
         assert len(seen) == 4
         assert all(seen)  # zpartition's hooks were put back ahead of it
 
+    @pytest.mark.parametrize("world_size", [2])
+    def test_the_two_halves_and_deepspeeds_external_parameters(self, world_size: int) -> None:
+        """`unhook_forward` and `hook_forward`, for callers that pair them themselves (TRL's
+        generation inside its own ``GatheredParameters``): each does nothing the second time;
+        every module answers DeepSpeed's ``ds_external_parameters()``."""
+        torch.manual_seed(0)
+        model = TinyGPT()
+        handle = zpartition.partition(model, config=ZeroParamConfig(param_persistence_threshold=0))
+        zpartition.register_external_parameter(model.blocks[0], model.embed.weight)
+        assert model.blocks[0].ds_external_parameters() == [
+            (model.embed.weight.ds_id, model.embed.weight)
+        ]
+        assert all(m.ds_external_parameters() == [] for m in model.blocks[1].modules())
+        hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+        assert handle.forward_hooked
+        for _ in range(2):
+            handle.unhook_forward()
+            assert not handle.forward_hooked
+            assert not any(m._forward_pre_hooks for m in model.modules())
+        for _ in range(2):
+            handle.hook_forward()
+            assert handle.forward_hooked
+            assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks
+        handle.remove()
+        assert not any("ds_external_parameters" in m.__dict__ for m in model.modules())
+
 
 class TestTakenFromTheBlock(DistributedTest):
     @SIZES

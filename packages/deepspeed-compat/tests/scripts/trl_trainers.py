@@ -146,20 +146,19 @@ def dpo(name: str, zero3: bool, *, as_written: bool = False) -> dict[str, Any]:
     return found
 
 
-def grpo(name: str, zero3: bool) -> dict[str, Any]:
+def grpo(name: str, zero3: bool, *, gather: bool = True) -> dict[str, Any]:
     """GRPO with a reward model (a sequence classifier) and a reference model (beta > 0): both
-    go through ``prepare_deepspeed``; generation at ZeRO-3 gathers the policy's weights."""
+    go through ``prepare_deepspeed``. With `gather` (TRL's default) generation at ZeRO-3
+    gathers the policy whole and takes the engine's hooks off it meanwhile (TRL's
+    ``remove_hooks``/``add_hooks``, through the optimizer's ``parameter_offload``); without,
+    generation runs through the engine's own ZeRO-3 forward, gathering layer by layer."""
     args = trl.GRPOConfig(
         **common_args(name, zero3),
         per_device_train_batch_size=2,
         num_generations=2,
         max_completion_length=4,
         beta=0.1,
-        # TRL's default gathers the policy whole for generation and takes DeepSpeed's ZeRO-3
-        # hooks off it meanwhile (trl.models.utils.remove_hooks reads the optimizer's
-        # parameter_offload, which zstack does not have); without it, generation runs through
-        # the engine's own ZeRO-3 forward
-        ds3_gather_for_generation=False,
+        ds3_gather_for_generation=gather,
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR)
     reward = transformers.AutoModelForSequenceClassification.from_pretrained(REWARD_DIR)
@@ -184,5 +183,6 @@ results = {
     "dpo_ddp": dpo("dpo_ddp", zero3=False),
     "grpo_ddp": grpo("grpo_ddp", zero3=False),
     "grpo_zero3": grpo("grpo_zero3", zero3=True),
+    "grpo_zero3_layerwise": grpo("grpo_zero3_layerwise", zero3=True, gather=False),
 }
 write_result(results)

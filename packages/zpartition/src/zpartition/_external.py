@@ -17,7 +17,12 @@ from torch import nn
 
 from zpartition._status import ZeroParamStatus
 
-__all__ = ["ParamDict", "register_external_parameter", "unregister_external_parameter"]
+__all__ = [
+    "ParamDict",
+    "external_parameters",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
 
 _NOT_AVAILABLE = ZeroParamStatus.NOT_AVAILABLE
 
@@ -34,6 +39,13 @@ def _changed(module: nn.Module) -> None:
     on_change = module.__dict__.get("_zp_on_externals_changed")
     if on_change is not None:
         on_change()
+
+
+def external_parameters(module: nn.Module) -> list[tuple[int, torch.Tensor]]:
+    """`module`'s external parameters as ``(ds_id, parameter)`` pairs: DeepSpeed's
+    ``module.ds_external_parameters()``, which every partitioned module has, for tools that
+    walk a ZeRO-3 model's parameters with ``named_parameters`` and these (TRL's generation)."""
+    return list(module.__dict__.get("_external_params", {}).items())
 
 
 def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:

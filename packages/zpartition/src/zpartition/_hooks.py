@@ -217,6 +217,10 @@ class State:
         ]
         self.handles += info.hooks
 
+    @property
+    def forward_hooked(self) -> bool:
+        return any(info.hooks for info in self.infos.values())
+
     def unhook_forward(self) -> None:
         """Take every module's forward hooks off (`hook_forward` puts them back)."""
         for info in self.infos.values():

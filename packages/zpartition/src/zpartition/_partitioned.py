@@ -16,7 +16,7 @@ from zpartition._channel import Kind
 from zpartition._config import ZeroParamConfig
 from zpartition._coordinator import Coordinator
 from zpartition._errors import ZeroParamError
-from zpartition._external import ParamDict
+from zpartition._external import ParamDict, external_parameters
 from zpartition._gather import bind_gather_methods, channel_for, new_unit
 from zpartition._gathered import GatheredParameters
 from zpartition._hooks import ModuleInfo, State, eager
@@ -316,11 +316,29 @@ class Partitioned:
         token; DeepSpeed's ``unwrap_model_for_generation``). Changes to the parameters inside
         are dropped. Every rank must enter it; the parameters are released at the end."""
         with GatheredParameters(list(self.module.parameters())):
-            self._state.unhook_forward()
+            self.unhook_forward()
             try:
                 yield
             finally:
-                self._state.hook_forward()
+                self.hook_forward()
+
+    @property
+    def forward_hooked(self) -> bool:
+        """Whether the modules' forward hooks are on (`unhook_forward` takes them off)."""
+        return self._state.forward_hooked
+
+    def unhook_forward(self) -> None:
+        """Take the modules' forward hooks off, as `unhooked` does, for callers that pair the
+        two halves themselves (TRL removes DeepSpeed's hooks inside ``GatheredParameters`` and
+        adds them back later): forward passes then neither gather nor release, so the
+        parameters must be gathered around them. Nothing happens if they are off already."""
+        if self._state.forward_hooked:
+            self._state.unhook_forward()
+
+    def hook_forward(self) -> None:
+        """Put the forward hooks back; nothing happens if they are on."""
+        if not self._state.forward_hooked:
+            self._state.hook_forward()
 
     def remove(self, *, gather: bool = True) -> None:
         """Take the hooks off. With `gather` (the default) make the model plain again: full
@@ -334,6 +352,7 @@ class Partitioned:
             if isinstance(m._parameters, ParamDict):
                 m._parameters = dict(m._parameters)
             m.__dict__.pop("_zp_on_externals_changed", None)
+            m.__dict__.pop("ds_external_parameters", None)
             if gather:
                 m.__dict__.pop("_external_params", None)
         self.module.__dict__.pop("forward", None)
@@ -454,6 +473,8 @@ def partition(
         for m in info.members:  # a group's or leaf's modules too: [Note: module groups]
             if not isinstance(m._parameters, ParamDict):
                 m._parameters = ParamDict(m._parameters, info, state.stack, reader)
+    for m in module.modules():  # DeepSpeed's method, which tools iterate with named_parameters
+        m.__dict__["ds_external_parameters"] = functools.partial(external_parameters, m)
     state.install()
     _guard_forward(module, state)
     return Partitioned(module, config, state)

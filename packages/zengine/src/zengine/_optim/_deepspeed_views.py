@@ -19,6 +19,7 @@ from torch import nn
 import zcomm
 from zengine._optim._layouts import ALIGNMENT, FlatLayout, ShardedLayout
 from zengine._optim._loss_scaler import DynamicLossScaler, LossScalerBase
+from zengine._optim._parameter_offload import ParameterOffload
 from zengine._optim._partitions import Partitions
 
 if TYPE_CHECKING:
@@ -149,6 +150,24 @@ class DeepSpeedViews:
         """The global gradient norm of the last step, before clipping (DeepSpeed's name for
         ``global_grad_norm``; None before the first step and after a skipped one)."""
         return self.global_grad_norm
+
+    # -- the hooks ----------------------------------------------------------------------------
+
+    @property
+    def parameter_offload(self) -> ParameterOffload:
+        """Stage 3: DeepSpeed's owner of the modules' hooks, as TRL's generation takes them off
+        and puts them back (`ParameterOffload`). Other stages have none, as DeepSpeed's."""
+        layout = self.layout
+        partitioned = layout.model if isinstance(layout, ShardedLayout) else None
+        if partitioned is None:
+            raise AttributeError(
+                f"{type(self).__name__}.parameter_offload: DeepSpeed's ZeRO stage 3 attribute; "
+                f"this optimizer runs ZeRO stage {self.stage}"
+            )
+        found = self.__dict__.get("_parameter_offload")
+        if found is None:  # one object: tools assign its hook lists
+            found = self.__dict__["_parameter_offload"] = ParameterOffload(partitioned)
+        return found
 
     # -- fp16 loss scaling -------------------------------------------------------------------
 
