@@ -134,6 +134,9 @@ def use_deepspeed_state(enabled: bool) -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     unset_hf_deepspeed_config()
+    # TrainingArguments(deepspeed=...) sets this and leaves it: a later Trainer without
+    # DeepSpeed in the same process would run DeepSpeed
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     if enabled:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
