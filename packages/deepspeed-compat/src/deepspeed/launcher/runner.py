@@ -1,13 +1,15 @@
 """``deepspeed.launcher.runner``: the ``deepspeed`` command, on zcomm's launcher.
 
 ``deepspeed [--num_gpus N] [--num_nodes N] [-H HOSTFILE] [-i/-e NODE_SPEC] [--master_addr A]
-[--master_port P] [--launcher pdsh|slurm|local] [--no_local_rank] ... SCRIPT ARGS`` takes
-DeepSpeed's launcher arguments and starts the ranks through torchrun on each node
-(`zcomm.launch`); the script gets ``--local_rank=N`` before its own arguments, as DeepSpeed's
-launcher passes it. ``main`` returns on success and exits with the failed rank's status, as
-DeepSpeed's does; a launch that cannot start (a bad hostfile line, ``--include`` naming a host
-the hostfile lacks, a refused ``--launcher``) exits 2 with the reason from the command line, and
-raises it as a ``ValueError`` when ``main(args)`` is called with arguments, as DeepSpeed's
+[--master_port P] [--launcher pdsh|slurm|local|openmpi|mpich|impi|mvapich] [--no_local_rank]
+... SCRIPT ARGS`` takes DeepSpeed's launcher arguments and starts the ranks through torchrun on
+each node (`zcomm.launch`), or with an MPI launcher through one ``mpirun`` (the commands of
+`deepspeed.launcher.multinode_runner`); the script gets ``--local_rank=N`` before its own
+arguments, as DeepSpeed's launcher passes it (not under MPI, as DeepSpeed's). ``main`` returns
+on success and exits with the failed rank's status, as DeepSpeed's does; a launch that cannot
+start (a bad hostfile line, ``--include`` naming a host the hostfile lacks, an unknown
+``--launcher``) exits 2 with the reason from the command line, and raises it as a
+``ValueError`` when ``main(args)`` is called with arguments, as DeepSpeed's
 raises.
 """
 
