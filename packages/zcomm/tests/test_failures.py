@@ -9,11 +9,19 @@ from datetime import timedelta
 import pytest
 import torch
 from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.torch_version import TorchVersion
 
 import zcomm
 from zcomm.testing import DistributedTest
 
 
+# Before torch 2.10 a gloo group's work kept the timeout its group started with, whatever
+# _set_pg_timeout set later (pytorch#165422): the all-reduce waits until rank 0 leaves. zcomm's
+# CommTimeoutError itself comes on those releases too, from init_distributed(timeout=...).
+@pytest.mark.skipif(
+    TorchVersion(torch.__version__) < "2.10",
+    reason="gloo ignores _set_pg_timeout before torch 2.10 (pytorch#165422)",
+)
 class TestCollectiveTimeout(DistributedTest):
     init_distributed = False  # started by the test, with a short timeout
 
