@@ -1,4 +1,5 @@
-"""Every task a person or CI runs: tests, interop, tests-gpu, lint, typecheck, bench, demo.
+"""Every task a person or CI runs: tests, interop, torch_versions, tests-gpu, lint, typecheck,
+bench, demo.
 
 Each package is installed from its own metadata into a fresh virtual environment that holds only
 that package and what it declares, so an undeclared import fails here as it would for a user.
@@ -17,6 +18,8 @@ import shutil
 from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).parent
 PACKAGES = ["zpipe", "zcomm", "zpartition", "zoffload", "zengine"]
@@ -76,15 +79,17 @@ def _needs_torch(packages: list[str]) -> bool:
     return any("torch" in _declared(p) for p in packages)
 
 
-def _torch(session: nox.Session) -> None:
+def _torch(session: nox.Session, spec: list[str] | None = None) -> None:
     """Torch from the pin, for this session's venv. Installing it is about 25 s, seven times in
     CI's run of about 15 minutes, so pip installs it (with what it needs) once into a folder
     under .nox/, keyed by the pin and the Python version, and each venv reads that folder
     through a .pth file; pip then finds torch installed. Only torch and its own requirements
     are shared: each package and its dependencies still go into the session's venv alone. The
     folder's modules are compiled once, on first import (`_pip_install` lets Python write
-    bytecode), for every later session."""
-    spec = shlex.split(os.environ.get("ZSTACK_TORCH", "")) or ["-c", CONSTRAINTS, "torch"]
+    bytecode), for every later session. `spec` (pip arguments naming one release, as
+    `torch_versions` gives) replaces the pin; the folder's key names it, so each release has
+    its own."""
+    spec = spec or shlex.split(os.environ.get("ZSTACK_TORCH", "")) or ["-c", CONSTRAINTS, "torch"]
     where = "import sys, sysconfig; print(sysconfig.get_paths()['purelib']); print(sys.version)"
     output = session.run("python", "-c", where, silent=True)
     assert isinstance(output, str)
@@ -98,15 +103,28 @@ def _torch(session: nox.Session) -> None:
     Path(purelib, "zstack_torch.pth").write_text(f"{shared}\n")
 
 
-def _install(session: nox.Session, packages: list[str], *extra: str) -> None:
-    """Torch from the pin first (if any package needs it), then the packages from their paths."""
+def _install(
+    session: nox.Session, packages: list[str], *extra: str, torch: str | None = None
+) -> None:
+    """Torch from the pin first (if any package needs it), then the packages from their paths.
+    `torch` (a version) replaces the pin, in the shared folder and in the constraints."""
+    constraints = CONSTRAINTS
+    if torch is not None:
+        # constraints.txt but its torch line, which would take the pinned release back
+        lines = [
+            line
+            for line in Path(CONSTRAINTS).read_text().splitlines()
+            if not re.match(r"\s*torch\b(?![-_.\w])", line)
+        ]
+        constraints = str(Path(session.create_tmp()) / "constraints.txt")
+        Path(constraints).write_text("\n".join([*lines, f"torch=={torch}", ""]))
     if _needs_torch(packages):
-        _torch(session)
+        _torch(session, None if torch is None else [f"torch=={torch}"])
     paths = [str(ROOT / "packages" / p) for p in packages]
     # hatchling, installed once, builds every package: an isolated build would install it into
     # a fresh environment for each one (about 2 s a package, some 15 builds in CI's run)
     _pip_install(session, BUILD_BACKEND)
-    _pip_install(session, "--no-build-isolation", "-c", CONSTRAINTS, *paths, *extra)
+    _pip_install(session, "--no-build-isolation", "-c", constraints, *paths, *extra)
 
 
 @nox.session
@@ -116,6 +134,79 @@ def tests(session: nox.Session, package: str) -> None:
     compatibility package, the Hugging Face libraries its tests drive)."""
     extra = HF_LIBRARIES if package == COMPAT else []
     _install(session, _closure(package), *TEST_DEPS, *extra)
+    session.run(
+        "pytest",
+        str(ROOT / "packages" / package / "tests"),
+        "-m",
+        "not gpu and not deepspeed",
+        *session.posargs,
+    )
+
+
+def _torch_floor(package: str) -> str:
+    """The lowest torch a package and the siblings it needs allow: the highest of their
+    `torch>=X` (a torch requirement without a lower bound is an error here)."""
+    floors = []
+    for name in _closure(package):
+        pyproject = nox.project.load_toml(ROOT / "packages" / name / "pyproject.toml")
+        for line in pyproject["project"]["dependencies"]:
+            requirement = Requirement(line)
+            if requirement.name != "torch":
+                continue
+            lower = [s.version for s in requirement.specifier if s.operator in (">=", "==")]
+            if not lower:
+                raise ValueError(f"{name}: {line!r} names no lowest torch (torch>=X)")
+            floors.append(lower[0])
+    return str(max(Version(v) for v in floors))
+
+
+_NEWEST: list[str] = []  # the newest torch, once found in this nox run
+
+
+def _torch_newest(session: nox.Session) -> str:
+    """The newest torch release on the index, asked once per nox run."""
+    if not _NEWEST:
+        output = session.run("python", "-m", "pip", "index", "versions", "torch", silent=True)
+        match = re.search(r"^torch \(([^)]+)\)", str(output), re.MULTILINE)
+        if match is None:
+            session.error(f"pip index versions torch: no version in {output!r}")
+        _NEWEST.append(match.group(1))
+    return _NEWEST[0]
+
+
+# The packages that need torch: zpipe's tests run without it, the same on every release.
+TORCH_PACKAGES = [p for p in [*PACKAGES, COMPAT] if _needs_torch(_closure(p))]
+
+
+@nox.session
+@nox.parametrize(
+    ("which", "package"),
+    [
+        nox.param(which, p, id=f"{which}-{p}", tags=[f"torch-{which}"])
+        for which in ("floor", "newest")
+        for p in TORCH_PACKAGES
+    ],
+)
+def torch_versions(session: nox.Session, which: str, package: str) -> None:
+    """One package's tests on the lowest torch its pyproject allows (`floor`: the highest
+    `torch>=` of it and the siblings it needs) or on the newest torch release (`newest`, asked
+    of the index when the session runs), as `tests` runs them on the pin. PyPI's Linux torch is
+    a CUDA build (about 3 GB with its nvidia packages, each release once under .nox/); it runs
+    on the CPU. CI runs it after `interop`: about 35 minutes on 2 cores."""
+    if which == "newest":
+        # The machine's pip configuration may cap torch (a constraint file in /etc/xdg/pip):
+        # PIP_CONSTRAINT= cannot lift a config file's constraint, no configuration file can
+        session.env["PIP_CONFIG_FILE"] = os.devnull
+        torch = _torch_newest(session)
+    else:
+        torch = _torch_floor(package)
+    session.log(f"{package} on torch {torch} ({which})")
+    extra = HF_LIBRARIES if package == COMPAT else []
+    _install(session, _closure(package), *TEST_DEPS, *extra, torch=torch)
+    # the release asked for, as X.Y.Z (the floor may read 2.8), is the one the tests import
+    release = ".".join(str(part) for part in (*Version(torch).release, 0, 0)[:3])
+    check = f"import torch; v = torch.__version__; assert v.split('+')[0] == {release!r}, v"
+    session.run("python", "-c", check)
     session.run(
         "pytest",
         str(ROOT / "packages" / package / "tests"),
