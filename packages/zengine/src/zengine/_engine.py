@@ -626,6 +626,13 @@ class Engine(nn.Module):
         directory = os.path.join(checkpoints_path, str(tag))
         return str(_checkpoint.expert_optim_name(Path(directory), expp_rank))
 
+    def _change_recovery_script_permissions(self, dst: str | os.PathLike[str]) -> None:
+        """DeepSpeed's: make the ``zero_to_fp32.py`` at `dst` executable; a file system that
+        refuses (a file share) is logged, not raised, as ``save_checkpoint`` does."""
+        from zengine import _checkpoint
+
+        _checkpoint.change_permissions(dst)
+
     def save_16bit_model(
         self,
         save_dir: str | os.PathLike[str],

@@ -30,6 +30,7 @@ from zengine._checkpoint._errors import (
     CorruptCheckpointError,
 )
 from zengine._checkpoint._files import resolve
+from zengine._checkpoint._recovery import change_permissions
 from zengine._checkpoint._safetensors import SafetensorsWriter, read_safetensors
 from zengine._checkpoint._safetensors_load import load_safetensors_into
 from zengine._checkpoint._sync import Sync
@@ -61,6 +62,7 @@ __all__ = [
     "SafetensorsWriter",
     "StageLayout",
     "Sync",
+    "change_permissions",
     "consolidate",
     "consolidate_shards",
     "contents_of",
