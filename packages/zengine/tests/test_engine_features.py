@@ -642,9 +642,11 @@ class TestUnwrapModelForGeneration(DistributedTest):
                         external = [p for _, p in module.ds_external_parameters()]
                         for p in named + external:
                             p.ds_active_sub_modules.clear()
+                        assert len(offload.forward_hooks) == 1
                         for hook in offload.forward_hooks + offload.backward_hooks:
                             hook.remove()
                         offload.forward_hooks, offload.backward_hooks = [], []
+                        assert offload.forward_hooks == []  # a view of the hooks, now off
                         assert not any(m._forward_pre_hooks for m in module.modules())
                         with torch.no_grad():
                             for _ in range(2):  # token after token: nothing is released

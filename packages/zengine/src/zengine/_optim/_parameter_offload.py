@@ -33,13 +33,32 @@ class _ForwardHooks:
 
 class ParameterOffload:
     """DeepSpeed's ``DeepSpeedZeRoOffload`` as tools use it: `module`, `forward_hooks`,
-    `backward_hooks` and ``_register_deepspeed_module``."""
+    `backward_hooks` and ``_register_deepspeed_module``.
+
+    The hook lists are views of the model's state: `forward_hooks` holds one handle while the
+    hooks are on and none while they are off, however they were taken off (DeepSpeed's tests
+    count them inside ``unwrap_model_for_generation``). Tools empty the lists after removing
+    the handles; assigning is accepted and changes nothing, the removal having done the work."""
 
     def __init__(self, partitioned: zpartition.Partitioned) -> None:
         self._partitioned = partitioned
         self.module: nn.Module = partitioned.module
-        self.forward_hooks: list[Any] = [_ForwardHooks(partitioned)]
-        self.backward_hooks: list[Any] = []
+
+    @property
+    def forward_hooks(self) -> list[Any]:
+        return [_ForwardHooks(self._partitioned)] if self._partitioned.forward_hooked else []
+
+    @forward_hooks.setter
+    def forward_hooks(self, hooks: list[Any]) -> None:
+        pass
+
+    @property
+    def backward_hooks(self) -> list[Any]:
+        return []
+
+    @backward_hooks.setter
+    def backward_hooks(self, hooks: list[Any]) -> None:
+        pass
 
     def _register_deepspeed_module(self, module: nn.Module, count: Any = None) -> None:
         """Put the hooks back on `module`, the partitioned model (DeepSpeed's recursive
@@ -51,4 +70,3 @@ class ParameterOffload:
                 f"({type(self.module).__name__})"
             )
         self._partitioned.hook_forward()
-        self.forward_hooks = [_ForwardHooks(self._partitioned)]
