@@ -191,8 +191,10 @@ def torch_versions(session: nox.Session, which: str, package: str) -> None:
     """One package's tests on the lowest torch its pyproject allows (`floor`: the highest
     `torch>=` of it and the siblings it needs) or on the newest torch release (`newest`, asked
     of the index when the session runs), as `tests` runs them on the pin. PyPI's Linux torch is
-    a CUDA build (about 3 GB with its nvidia packages, each release once under .nox/); it runs
-    on the CPU. CI runs it after `interop`: about 35 minutes on 2 cores."""
+    a CUDA build (about 3 GB with its nvidia packages, each release once under .nox/: four
+    today, 2.4 for zoffload, 2.8 for zcomm and zpartition, 2.9 for zengine and the
+    compatibility package, and the newest); it runs on the CPU. CI runs it after `interop`:
+    about 55 minutes on 2 cores, `-t torch-floor` or `-t torch-newest` half of it."""
     if which == "newest":
         # The machine's pip configuration may cap torch (a constraint file in /etc/xdg/pip):
         # PIP_CONSTRAINT= cannot lift a config file's constraint, no configuration file can
