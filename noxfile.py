@@ -24,10 +24,10 @@ from packaging.version import Version
 ROOT = Path(__file__).parent
 PACKAGES = ["zpipe", "zcomm", "zpartition", "zoffload", "zengine"]
 # The DeepSpeed compatibility package (the distribution `deepspeed`), above all five: its tests
-# drive Transformers, Accelerate and PEFT, the newest releases from PyPI, so CI meets a release
+# drive Transformers, Accelerate, PEFT and TRL, the newest releases from PyPI, so CI meets a release
 # that needs a DeepSpeed name zstack lacks.
 COMPAT = "deepspeed-compat"
-HF_LIBRARIES = ["transformers", "accelerate", "peft", "safetensors"]
+HF_LIBRARIES = ["transformers", "accelerate", "peft", "trl", "safetensors"]
 # zengine's tests that read and write DeepSpeed's own checkpoint formats with the real DeepSpeed
 # (marked `deepspeed`, `nox -s interop`): its release whose formats zstack follows, from PyPI.
 DEEPSPEED = "deepspeed==0.19.8"
