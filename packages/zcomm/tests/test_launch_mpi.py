@@ -272,7 +272,10 @@ keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "O
 out = {"rank": zcomm.get_rank(), "world": zcomm.get_world_size(), "sum": t.item(),
        "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys},
        "cores": sorted(os.sched_getaffinity(0))}
-print("RESULT " + json.dumps(out), flush=True)
+# one write of the whole line: print() writes the text and the newline apart when unbuffered,
+# and the two ranks share the launcher's output, so their lines would mix
+sys.stdout.write("RESULT " + json.dumps(out) + "\\n")
+sys.stdout.flush()
 zcomm.destroy()
 """
 
