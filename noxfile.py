@@ -176,13 +176,25 @@ def _torch_newest(session: nox.Session) -> str:
 
 # The packages that need torch: zpipe's tests run without it, the same on every release.
 TORCH_PACKAGES = [p for p in [*PACKAGES, COMPAT] if _needs_torch(_closure(p))]
+# What CI runs of them (`nox -t torch-ci`), within its 90 minutes: every distinct floor but the
+# compatibility package's (zengine's, 2.9, whose tests it shares), and the newest release
+# under zengine and the compatibility package, whose tests drive zcomm, zpartition and zoffload
+# through the engine, DCP and Hugging Face, where torch releases change what we use.
+TORCH_CI = {
+    "floor": ["zoffload", "zcomm", "zpartition", "zengine"],
+    "newest": ["zengine", COMPAT],
+}
+
+
+def _torch_tags(which: str, package: str) -> list[str]:
+    return [f"torch-{which}"] + (["torch-ci"] if package in TORCH_CI[which] else [])
 
 
 @nox.session
 @nox.parametrize(
     ("which", "package"),
     [
-        nox.param(which, p, id=f"{which}-{p}", tags=[f"torch-{which}"])
+        nox.param(which, p, id=f"{which}-{p}", tags=_torch_tags(which, p))
         for which in ("floor", "newest")
         for p in TORCH_PACKAGES
     ],
@@ -193,8 +205,9 @@ def torch_versions(session: nox.Session, which: str, package: str) -> None:
     of the index when the session runs), as `tests` runs them on the pin. PyPI's Linux torch is
     a CUDA build (about 3 GB with its nvidia packages, each release once under .nox/: four
     today, 2.4 for zoffload, 2.8 for zcomm and zpartition, 2.9 for zengine and the
-    compatibility package, and the newest); it runs on the CPU. CI runs it after `interop`:
-    about 55 minutes on 2 cores, `-t torch-floor` or `-t torch-newest` half of it."""
+    compatibility package, and the newest); it runs on the CPU. All of it takes about an hour
+    on 2 cores (`-t torch-floor` or `-t torch-newest` half of it); CI runs `-t torch-ci`
+    after `interop` (`TORCH_CI`)."""
     if which == "newest":
         # The machine's pip configuration may cap torch (a constraint file in /etc/xdg/pip):
         # PIP_CONSTRAINT= cannot lift a config file's constraint, no configuration file can
