@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "SCRIPTS",
     "TokenDataset",
+    "hf_zero_config",
     "save_tiny_model",
     "tiny_config",
     "token_batches",
@@ -120,6 +121,28 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> d
 
 
 # -- in the torchrun scripts -------------------------------------------------------------------
+
+
+def hf_zero_config(stage: int) -> dict[str, Any]:
+    """Transformers' documented ZeRO config at `stage`: "auto" wherever the Trainer knows the
+    value (a fresh dict each call: the Trainer fills it in place)."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+    }
 
 
 def use_deepspeed_state(enabled: bool) -> None:

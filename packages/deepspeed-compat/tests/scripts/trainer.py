@@ -7,7 +7,6 @@ than the runs), each a fresh Trainer; rank 0 writes the logged losses of each.
 
 from __future__ import annotations
 
-import copy
 import gc
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests folder
-from _helpers import TokenDataset, use_deepspeed_state, write_result
+from _helpers import TokenDataset, hf_zero_config, use_deepspeed_state, write_result
 
 RUN_DIR, MODEL_DIR = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -26,29 +25,10 @@ RUN_DIR, MODEL_DIR = Path(sys.argv[1]), Path(sys.argv[2])
 # for these runs (on a GPU it passes by itself).
 transformers.training_args.is_torch_bf16_gpu_available = lambda: True
 
-# Transformers' documented ZeRO configs: "auto" wherever the Trainer knows the value
-DS_CONFIG: dict[str, Any] = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "train_batch_size": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": "auto"},
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-    },
-    "zero_optimization": {
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "stage3_gather_16bit_weights_on_model_save": True,
-    },
-}
-
 
 def ds_config(stage: int, *, client_optimizer: bool = False) -> dict[str, Any]:
-    config = copy.deepcopy(DS_CONFIG)
-    config["zero_optimization"]["stage"] = stage
+    config = hf_zero_config(stage)
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if client_optimizer:  # the Trainer's own AdamW, wrapped by the engine
         del config["optimizer"]
     return config

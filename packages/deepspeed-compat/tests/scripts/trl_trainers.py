@@ -11,7 +11,6 @@ in).
 
 from __future__ import annotations
 
-import copy
 import gc
 import os
 import sys
@@ -27,29 +26,10 @@ import trl
 import deepspeed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests folder
-from _helpers import VOCAB, use_deepspeed_state, write_result
+from _helpers import VOCAB, hf_zero_config, use_deepspeed_state, write_result
 
 RUN_DIR, MODEL_DIR, REWARD_DIR = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 STEPS = 3
-
-# Transformers' documented ZeRO-3 config: "auto" wherever the Trainer knows the value
-DS_CONFIG: dict[str, Any] = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "train_batch_size": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": "auto"},
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-    },
-    "zero_optimization": {
-        "stage": 3,
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-    },
-}
 
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -110,7 +90,7 @@ def common_args(name: str, zero3: bool, *, as_written: bool = False) -> dict[str
         "use_cpu": not zero3,
         "ddp_backend": "gloo",
         "disable_tqdm": True,
-        "deepspeed": copy.deepcopy(DS_CONFIG) if zero3 else None,
+        "deepspeed": hf_zero_config(3) if zero3 else None,
     }
 
 
