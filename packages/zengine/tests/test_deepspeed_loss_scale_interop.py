@@ -18,6 +18,8 @@ import zcomm
 import zengine
 from zcomm.testing import DistributedTest
 
+from ._deepspeed_groups import forget_deepspeed_groups
+
 deepspeed = pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.deepspeed
 
@@ -55,12 +57,12 @@ def _scales(initialize: Any, stage: int) -> list[float]:
 
 
 class TestLossScale(DistributedTest):
-    """One test for every stage: DeepSpeed keeps its process groups in module globals, which
-    outlive a test's process group in the pooled ranks."""
+    """Every stage, one after the other in the same ranks and process group."""
 
     world_size = 2
 
     def test_loss_scale_follows_deepspeeds(self) -> None:
+        forget_deepspeed_groups()
         for stage in range(4):
             theirs = _scales(deepspeed.initialize, stage)
             ours = _scales(zengine.initialize, stage)

@@ -21,6 +21,7 @@ from zcomm.testing import DistributedTest
 from zengine._checkpoint import fp32_state_dict
 
 from . import _ds_fixture as fx
+from ._deepspeed_groups import forget_deepspeed_groups
 from .test_checkpoint_deepspeed import BEFORE, engine, largest_gap, train
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -63,13 +64,12 @@ def test_consolidation_equals_deepspeeds_zero_to_fp32(case: str) -> None:
 
 
 class TestWrittenNow(DistributedTest):
-    """DeepSpeed trains and saves in these ranks; zstack loads and continues. One test for
-    all cases: DeepSpeed keeps its process groups in module globals, which outlive a test's
-    process group in the pooled ranks."""
+    """DeepSpeed trains and saves in these ranks; zstack loads and continues."""
 
     world_size = 2
 
     def test_continues_with_deepspeeds_losses(self, tmp_path: Path) -> None:
+        forget_deepspeed_groups()
         for case in ("stage3_fp32_ws2", "stage2_fp16_ws2", "stage1_bf16_ws2"):
             data = fx.batches(2 * BEFORE)
             config = fx.config(case)
