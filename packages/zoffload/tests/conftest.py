@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,11 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return view.cpu().clone()
 
 
+def swap_files(folder: Path) -> list[Path]:
+    """The files under ``folder`` but the swap folders' markers ([Note: swap folders])."""
+    return [f for f in folder.rglob("*") if f.is_file() and f.name != ".zoffload-owner"]
+
+
 @pytest.fixture(name="storage_bytes")
 def storage_bytes_fixture() -> Callable[[torch.Tensor], torch.Tensor]:
     return storage_bytes
@@ -31,3 +37,30 @@ def offloader(tmp_path: Path) -> Iterator[zoffload.Offloader]:
     yield off
     off.close()
     off.pool.close()
+
+
+@pytest.fixture
+def tiny_mount(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """Mounts a tmpfs of ``size`` bytes (``read_only=True``: mounted read-only) under
+    ``tmp_path`` and returns it; unmounted after the test. Needs CAP_SYS_ADMIN (root here and
+    on CI): the test is skipped, saying why, where mounting is not permitted."""
+    mounted: list[Path] = []
+
+    def mount(size: int, *, read_only: bool = False) -> Path:
+        where = tmp_path / f"mnt{len(mounted)}"
+        where.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {done.stderr}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)

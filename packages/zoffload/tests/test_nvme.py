@@ -17,6 +17,8 @@ import torch
 import zoffload
 from zoffload import _layout, _nvme
 
+from .conftest import swap_files
+
 
 def offload_some(offloader, **kwargs):
     tensors = {"a": torch.randn(100_000), "b": torch.arange(5000), "c": torch.randn(7)}
@@ -78,7 +80,7 @@ def test_no_o_direct_falls_back_to_buffered_io_with_a_note(offloader, monkeypatc
     strict = zoffload.Offloader(pool=offloader.pool, nvme_path=offloader.nvme_path, direct_io=True)
     with pytest.raises(zoffload.OffloadError, match="O_DIRECT"):
         strict.offload({"x": torch.ones(4)}, "nvme")
-    assert not any(offloader.nvme_path.iterdir())
+    assert not swap_files(offloader.nvme_path)
 
 
 def test_missing_file_is_named_and_the_handle_stays_offloaded(offloader):
@@ -157,15 +159,15 @@ def test_a_failed_write_leaves_no_file_and_the_tensors_intact(offloader, monkeyp
     monkeypatch.setattr(_nvme, "_pwrite_all", failing)
     tensors = {"a": torch.randn(100_000)}
     expected = tensors["a"].clone()
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(zoffload.NvmeSpaceError, match="No space"):
         offloader.offload(tensors, "nvme")
     assert torch.equal(tensors["a"], expected)  # never freed
     assert zoffload.handle_of(tensors["a"]) is None
-    assert not any(offloader.nvme_path.iterdir())  # no final file, no temporary left
+    assert not swap_files(offloader.nvme_path)  # no final file, no temporary left
     # The same failure, non-blocking: reported by wait(), tensors intact.
     calls = 0
     handle = offloader.offload(tensors, "nvme", non_blocking=True)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(zoffload.NvmeSpaceError, match="No space"):
         handle.wait()
     assert handle.state == "resident"
     assert torch.equal(tensors["a"], expected)
@@ -197,7 +199,7 @@ def test_a_process_killed_mid_write_leaves_nothing_loadable(tmp_path):
         timeout=300,
     )
     assert done.returncode == -signal.SIGKILL, done.stderr
-    left = list(tmp_path.iterdir())
+    left = swap_files(tmp_path)
     assert left, "the crashed write should have left its temporary file"
     assert all(".tmp-" in f.name for f in left)  # never the final name
     for f in left:
@@ -282,7 +284,7 @@ def test_remove_frees_the_name_at_once_and_the_file_by_close(offloader):
     assert not path.exists()  # a new offload may take the name now
     offloader.io.remove(path)  # gone already: nothing to do
     offloader.io.close()
-    assert not any(offloader.nvme_path.iterdir())  # the unlink ran
+    assert not swap_files(offloader.nvme_path)  # the unlink ran
 
 
 def test_the_crc_is_zlibs_whichever_implementation_computes_it():

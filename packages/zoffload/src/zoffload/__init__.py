@@ -7,18 +7,29 @@ Importing zoffload never initializes CUDA; CuPy (the ``cuda`` extra) is used whe
 
 from zoffload.__about__ import __version__
 from zoffload._enums import OffloadDeviceEnum, OffloadStateTypeEnum
-from zoffload._errors import OffloadChecksumError, OffloadError, OffloadFileError
+from zoffload._errors import (
+    NvmeError,
+    NvmeSpaceError,
+    OffloadChecksumError,
+    OffloadError,
+    OffloadFileError,
+)
 from zoffload._handle import OffloadHandle
 from zoffload._nvme import FileManifest, StorageEntry, check_file
 from zoffload._offloader import Offloader, default_offloader, offload
 from zoffload._pages import release_pages
 from zoffload._pool import HostPool, HostRegion, PoolStats, default_pool
 from zoffload._registry import handle_of
+from zoffload._space import FolderCheck, check_folder, free_bytes, inspect_folder
+from zoffload._swapdir import claim_folder, release_folder, sweep_stale
 
 __all__ = [
     "FileManifest",
+    "FolderCheck",
     "HostPool",
     "HostRegion",
+    "NvmeError",
+    "NvmeSpaceError",
     "OffloadChecksumError",
     "OffloadDeviceEnum",
     "OffloadError",
@@ -30,9 +41,15 @@ __all__ = [
     "StorageEntry",
     "__version__",
     "check_file",
+    "check_folder",
+    "claim_folder",
     "default_offloader",
     "default_pool",
+    "free_bytes",
     "handle_of",
+    "inspect_folder",
     "offload",
+    "release_folder",
     "release_pages",
+    "sweep_stale",
 ]

@@ -75,6 +75,7 @@ class OffloadHandle:
         self._events: list[torch.cuda.Event] = []
         self._finish: Callable[[], None] | None = None
         self._lock = threading.Lock()
+        self._hold = False  # commit=False: the file is written, the bytes stay until commit
 
     def __repr__(self) -> str:
         return (
@@ -126,7 +127,8 @@ class OffloadHandle:
 
     @property
     def state(self) -> str:
-        """``offloading``, ``offloaded``, ``reloading`` or ``resident``."""
+        """``offloading``, ``offloaded``, ``reloading`` or ``resident``; ``written`` for an
+        offload with ``commit=False`` whose file is complete and whose bytes are still here."""
         return self._state
 
     @property
@@ -231,18 +233,51 @@ class OffloadHandle:
         fences = _fences(self.devices)
         io = self._offloader.io
 
+        hold = self._hold
+
         def job() -> None:
             manifest, direct = io.write(
                 path, self._slots, self._layout, pinned=self._pinned, fences=fences
             )
             self._manifest, self._direct_io = manifest, direct
-            self._free()  # only now: a failed write leaves every tensor as it was
+            if not hold:
+                self._free()  # only now: a failed write leaves every tensor as it was
 
+        done = self._written if hold else self._offloaded
         if non_blocking:
-            self._start(future=self._offloader.background(job), finish=self._offloaded)
+            self._start(future=self._offloader.background(job), finish=done)
         else:
             job()  # an error propagates to `_offload`, which undoes the state
-            self._state = "offloaded"
+            done()
+
+    def _written(self) -> None:
+        self._state = "written"
+
+    def commit(self) -> OffloadHandle:
+        """Empty the tensors of an offload made with ``commit=False`` (its file is written):
+        the move completes. Waits for the write first (and raises its error)."""
+        self.wait()
+        if self._state != "written":
+            raise OffloadError(f"commit: the handle is {self._state}, not written ({self!r})")
+        self._hold = False
+        self._free()
+        self._state = "offloaded"
+        return self
+
+    def abandon(self) -> None:
+        """Undo an offload made with ``commit=False``: its file goes, the tensors keep their
+        bytes (never emptied) and are free to be offloaded again. A write that failed is
+        already undone (its error was raised by `wait`); this does nothing then."""
+        try:
+            self.wait()
+        except Exception:  # the write's own error, raised already: nothing to undo
+            return
+        if self._state != "written":
+            raise OffloadError(f"abandon: the handle is {self._state}, not written ({self!r})")
+        self._hold = False
+        self._drop_copy()
+        _registry.remove(self._keys, self)
+        self._state = "resident"
 
     def _free(self) -> None:
         for slot in self._slots:

@@ -52,11 +52,12 @@ from typing import Any, cast
 
 import torch
 
-from zoffload._errors import OffloadError, OffloadFileError
+from zoffload._errors import NvmeSpaceError, OffloadError, OffloadFileError
 from zoffload._extents import BLOCK, Alignment, Chunk, find_zero_runs, plan_chunks
 from zoffload._layout import Layout, align_up
 from zoffload._pages import release_pages
 from zoffload._pool import HostPool, HostRegion
+from zoffload._space import free_bytes, nvme_error
 from zoffload._storage import Slot, byte_view
 
 __all__ = ["FileManifest", "NvmeIO", "StorageEntry", "check_file"]
@@ -325,7 +326,27 @@ class NvmeIO:
         )
         # Checksums are fixed width, so only data_offset's digits can change the length.
         header_nbytes = align_up(len(draft.encode()) + 32, _BLOCK)
+        needed = header_nbytes + _data_on_disk(slots, layout.nbytes, self.chunk_bytes)
+        free = free_bytes(path.parent)
+        if free is not None and needed > free:  # before a byte is written: nothing to undo
+            raise NvmeSpaceError(path, "not enough free space", needed=needed, free=free)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{draft.token[:8]}")
+        try:
+            return self._write(path, tmp, slots, layout, draft, header_nbytes, pinned, fences)
+        except OSError as error:  # a full disk, a read-only one, an I/O error: named
+            raise nvme_error(path, error, needed=needed) from error
+
+    def _write(
+        self,
+        path: Path,
+        tmp: Path,
+        slots: list[Slot],
+        layout: Layout,
+        draft: FileManifest,
+        header_nbytes: int,
+        pinned: bool,
+        fences: dict[torch.device, torch.cuda.Event],
+    ) -> tuple[FileManifest, bool]:
         fd, direct = self._open_for_write(tmp, header_nbytes)
         try:
             chunks = plan_chunks(slots, layout.nbytes, self.chunk_bytes, _alignment(fd, direct))
@@ -351,7 +372,11 @@ class NvmeIO:
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        os.replace(tmp, path)  # atomic: the final name only ever names a complete file
+        try:
+            os.replace(tmp, path)  # atomic: the final name only ever names a complete file
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(path.parent)
         return manifest, direct
 
@@ -592,6 +617,13 @@ def _staging(region: HostRegion, at: int, chunk: Chunk, start: int, stop: int) -
 def _storage_bytes(slot: Slot, start: int, stop: int) -> torch.Tensor:
     """Bytes ``[start, stop)`` of the file's data that ``slot``'s storage holds, as its view."""
     return byte_view(slot.storage, slot.nbytes)[start - slot.offset : stop - slot.offset]
+
+
+def _data_on_disk(slots: list[Slot], nbytes: int, chunk_bytes: int) -> int:
+    """The data bytes a file of ``slots`` takes on disk: its chunks less those of zeros only
+    (holes); checked against the free space before the file is written."""
+    chunks = plan_chunks(slots, nbytes, chunk_bytes)
+    return sum(c.stop - c.start for c in chunks if c.used)
 
 
 def _fallocate() -> Callable[[int, int, int, int], int] | None:

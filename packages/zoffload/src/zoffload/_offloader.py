@@ -19,6 +19,7 @@ from zoffload._layout import plan
 from zoffload._nvme import NvmeIO
 from zoffload._pool import HostPool, default_pool
 from zoffload._storage import collect, storage_key
+from zoffload._swapdir import claim_folder, claimed
 
 __all__ = ["Offloader", "default_offloader", "offload"]
 
@@ -57,6 +58,7 @@ class Offloader:
         self.pack_bytes = pack_bytes
         self._driver: ThreadPoolExecutor | None = None  # runs non-blocking NVMe transfers
         self._lock = threading.Lock()
+        self._folders: dict[tuple[int, Path], Path] = {}  # (pid, nvme_path) -> swap folder
 
     def offload(
         self,
@@ -67,6 +69,7 @@ class Offloader:
         non_blocking: bool = False,
         nvme_path: str | os.PathLike[str] | None = None,
         verify: bool = False,
+        commit: bool = True,
     ) -> OffloadHandle:
         """Move the bytes of ``tensors`` to ``device`` and empty their storages.
 
@@ -81,6 +84,10 @@ class Offloader:
             non_blocking: return before the copies finish; `OffloadHandle.wait` waits.
             nvme_path: directory for ``device=nvme`` (default: the offloader's).
             verify: hash every storage now and check the reloaded bytes against it.
+            commit: ``False`` (``device=nvme`` only): write the file but keep the bytes in
+                the tensors, the handle ``written``, until `OffloadHandle.commit` empties them
+                or `OffloadHandle.abandon` drops the file (ranks that must all move or none
+                agree in between; the tensors must not change meanwhile).
 
         Returns:
             The handle to wait on and to `OffloadHandle.reload` from.
@@ -91,6 +98,8 @@ class Offloader:
             holder = _registry.find(storage_key(slot.tensors[0]))
             if holder is not None and holder.offloaded:
                 raise OffloadError(f"{slot.label!r} is already offloaded by {holder!r}")
+        if not commit and device != OffloadDeviceEnum.nvme:
+            raise ValueError("commit=False is for device=nvme (a file written, bytes kept)")
         if verify and device == OffloadDeviceEnum.none:
             raise ValueError("verify=True needs a copy to check: not with device=none")
         has_cuda = any(s.device.type == "cuda" for s in slots)
@@ -99,16 +108,24 @@ class Offloader:
         handle = OffloadHandle(
             self, dict(tensors), slots, layout, device, pinned=pinned, verify=verify
         )
+        handle._hold = not commit
         file = self._new_file(nvme_path) if device == OffloadDeviceEnum.nvme else None
         handle._offload(non_blocking=non_blocking, nvme_file=file)
         return handle
 
     def _new_file(self, nvme_path: str | os.PathLike[str] | None) -> Path:
+        """A new file name in this process's swap folder under the path ([Note: swap
+        folders]; a folder this process claimed is used as it is)."""
         directory = Path(nvme_path) if nvme_path is not None else self.nvme_path
         if directory is None:
             raise ValueError("device=nvme needs nvme_path (here or on the Offloader)")
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory / f"zoffload-{os.getpid()}-{next(_files):06d}.swap"
+        with self._lock:
+            key = (os.getpid(), directory)  # a forked child claims its own
+            folder = self._folders.get(key)
+            if folder is None or not folder.is_dir():
+                folder = directory if claimed(directory) else claim_folder(directory, "zoffload")
+                self._folders[key] = folder
+        return folder / f"zoffload-{os.getpid()}-{next(_files):06d}.swap"
 
     def background(self, job: Callable[[], None]) -> Future[None]:
         """Run ``job`` on the offloader's driver thread (non-blocking NVMe transfers)."""
@@ -147,6 +164,7 @@ def offload(
     non_blocking: bool = False,
     nvme_path: str | os.PathLike[str] | None = None,
     verify: bool = False,
+    commit: bool = True,
 ) -> OffloadHandle:
     """`Offloader.offload` on the `default_offloader`: see there."""
     return default_offloader().offload(
@@ -156,4 +174,5 @@ def offload(
         non_blocking=non_blocking,
         nvme_path=nvme_path,
         verify=verify,
+        commit=commit,
     )
