@@ -30,8 +30,10 @@ def test_a_full_disk_is_named_and_nothing_moves(tiny_mount, storage_bytes):
         with pytest.raises(zoffload.NvmeSpaceError) as info:
             off.offload(tensors, "nvme", non_blocking=non_blocking).wait()
         error = info.value
-        assert str(nvme) in str(error) and error.needed > (1 << 20) > error.free
-        assert f"{error.needed} bytes" in str(error) and f"{error.free} bytes" in str(error)
+        assert str(nvme) in str(error)
+        assert error.needed > (1 << 20) > error.free
+        assert f"{error.needed} bytes" in str(error)
+        assert f"{error.free} bytes" in str(error)
         assert all(torch.equal(storage_bytes(t), before[k]) for k, t in tensors.items())
         assert all(zoffload.handle_of(t) is None for t in tensors.values())
         assert not swap_files(nvme)  # no partial file
@@ -53,11 +55,13 @@ def test_read_only_and_not_a_directory_are_named(tiny_mount, tmp_path):
         (a_file / "sub", "not a directory"),
     ]:
         found = zoffload.inspect_folder(path, 10)
-        assert found.problem is not None and problem in found.problem
+        assert found.problem is not None
+        assert problem in found.problem
         with pytest.raises(zoffload.NvmeError, match=problem) as info:
             zoffload.offload({"t": t}, "nvme", nvme_path=path)
         assert str(path) in str(info.value)
-        assert zoffload.handle_of(t) is None and t.untyped_storage().nbytes() == 256
+        assert zoffload.handle_of(t) is None
+        assert t.untyped_storage().nbytes() == 256
 
 
 def test_a_write_that_fails_midway_leaves_no_file(tmp_path, storage_bytes):
@@ -85,14 +89,17 @@ def test_a_write_held_until_commit(tmp_path, storage_bytes):
     before = storage_bytes(t)
     off = zoffload.Offloader(pool=zoffload.HostPool(), nvme_path=tmp_path)
     handle = off.offload({"t": t}, "nvme", commit=False)
-    assert handle.state == "written" and handle.path.exists()
+    assert handle.state == "written"
+    assert handle.path.exists()
     assert torch.equal(storage_bytes(t), before)  # the bytes are still here
     handle.abandon()  # another rank failed: the file goes, the tensor stays
-    assert handle.state == "resident" and not swap_files(tmp_path)
+    assert handle.state == "resident"
+    assert not swap_files(tmp_path)
     assert zoffload.handle_of(t) is None
     handle = off.offload({"t": t}, "nvme", commit=False, non_blocking=True)
     handle.commit()
-    assert handle.state == "offloaded" and t.untyped_storage().nbytes() == 0
+    assert handle.state == "offloaded"
+    assert t.untyped_storage().nbytes() == 0
     handle.reload()
     assert torch.equal(storage_bytes(t), before)
     with pytest.raises(ValueError, match="commit=False"):
@@ -119,7 +126,8 @@ def _claimer(nvme: Path, how: str) -> subprocess.Popen[str]:
         text=True,
         env=env,
     )
-    assert child.stdout is not None and child.stdout.readline() == "written\n"
+    assert child.stdout is not None
+    assert child.stdout.readline() == "written\n"
     return child
 
 
@@ -130,7 +138,8 @@ def test_swap_files_of_a_killed_process_go_at_the_next_start(tmp_path, caplog):
         killed = _claimer(nvme, "kill")
         assert killed.wait(60) == -signal.SIGKILL
         stale, live = sorted(nvme.iterdir(), key=lambda d: str(killed.pid) not in d.name)
-        assert str(killed.pid) in stale.name and str(alive.pid) in live.name
+        assert str(killed.pid) in stale.name
+        assert str(alive.pid) in live.name
         foreign = nvme / "zoffload-other"  # our names, no marker: not ours to remove
         foreign.mkdir()
         (foreign / f"zoffload-{killed.pid}-000000.swap").write_bytes(b"x" * 4096)
@@ -139,9 +148,12 @@ def test_swap_files_of_a_killed_process_go_at_the_next_start(tmp_path, caplog):
             off = zoffload.Offloader(pool=zoffload.HostPool(), nvme_path=nvme)
             off.offload({"y": torch.ones(8)}, "nvme").reload()
         assert not stale.exists()
-        assert live.exists() and len(swap_files(live)) == 1
-        assert foreign.exists() and len(swap_files(foreign)) == 1
-        assert f"removed {stale}" in caplog.text and f"{stale_bytes} bytes freed" in caplog.text
+        assert live.exists()
+        assert len(swap_files(live)) == 1
+        assert foreign.exists()
+        assert len(swap_files(foreign)) == 1
+        assert f"removed {stale}" in caplog.text
+        assert f"{stale_bytes} bytes freed" in caplog.text
         assert str(live) not in caplog.text
         off.close()
     finally:
