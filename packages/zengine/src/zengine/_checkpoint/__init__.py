@@ -13,8 +13,9 @@ a checkpoint's files (_safetensors_checkpoint.py) and a load into a ZeRO-3 model
 parameter name (_ds_checkpoint.py), a pipeline's stages merged
 (_ds_pipeline.py), the load (_ds_load.py); DeepSpeed's universal checkpoint written from ours
 (_universal_write.py, _universal_layout.py); torch files read without running code
-(_safe_load.py). Its errors are in _errors.py. It reads the engine through its attributes and
-never imports it.
+(_safe_load.py) and DCP's (_dcp_read.py), and what a client state may hold
+(_client_state.py). Its errors are in _errors.py. It reads the engine through its attributes
+and never imports it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from zengine._checkpoint._errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointTagError,
+    ClientStateError,
     CorruptCheckpointError,
+    UnsafeCheckpointError,
 )
 from zengine._checkpoint._files import resolve
 from zengine._checkpoint._recovery import change_permissions
@@ -57,11 +60,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointTagError",
+    "ClientStateError",
     "CorruptCheckpointError",
     "Entry",
     "SafetensorsWriter",
     "StageLayout",
     "Sync",
+    "UnsafeCheckpointError",
     "change_permissions",
     "consolidate",
     "consolidate_shards",

@@ -25,20 +25,19 @@ import json
 import logging
 import os
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from zengine._checkpoint import _files as files
+from zengine._checkpoint._dcp_read import SafeFileSystemReader, load_entries
 from zengine._checkpoint._ds_checkpoint import DeepSpeedCheckpoint
 from zengine._checkpoint._ds_files import is_deepspeed
 from zengine._checkpoint._errors import CorruptCheckpointError
+from zengine._checkpoint._manifest import check_format
 from zengine._checkpoint._pieces import Piece, PieceLoadPlanner
 from zengine._checkpoint._safetensors import SafetensorsWriter, write_tensor
 from zengine._checkpoint._stage_layout import read_layout, stage_dir
@@ -109,7 +108,9 @@ def contents_of(directory: Path, exclude_frozen: bool = False) -> _Contents:
     if is_deepspeed(directory):
         return _deepspeed_contents(DeepSpeedCheckpoint(directory), exclude_frozen)
     manifest = files.read_manifest(directory)
-    metadata = FileSystemReader(directory).read_metadata().state_dict_metadata
+    check_format(manifest, str(directory))
+    files.verify_checkpoint(directory, manifest)  # what load_checkpoint checks, before reading
+    metadata = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
     entries: list[Entry] = []
     for name, info in manifest["params"].items():
         if exclude_frozen and info["group"] is None:
@@ -211,8 +212,7 @@ def read_tensors(
                 raise CorruptCheckpointError(f"{directory} holds no {key!r}")
             yield name, tensor.to(dtype).view(shape)
         return
-    reader = FileSystemReader(directory)
-    metadata = reader.read_metadata().state_dict_metadata
+    metadata = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
     for batch in _batches(entries, budget):
         dest: dict[str, Any] = {}
         for _, key, _, shape in batch:
@@ -223,9 +223,7 @@ def read_tensors(
             stored = metadata[key]
             dtype = stored.properties.dtype  # type: ignore[union-attr]
             dest[key] = Piece(torch.empty(numel, dtype=dtype), 0, numel)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)
+        load_entries(dest, directory, PieceLoadPlanner())
         for name, key, dtype, shape in batch:
             yield name, dest.pop(key).data.to(dtype).view(shape)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
+    "ClientStateError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
 ]
@@ -21,6 +22,11 @@ class CorruptCheckpointError(CheckpointError):
 class UnsafeCheckpointError(CorruptCheckpointError):
     """A checkpoint file asks for an object zstack does not load, since unpickling it could run
     code; the message names the file and the type."""
+
+
+class ClientStateError(CheckpointError, TypeError):
+    """``save_checkpoint``'s client_state holds something other than plain data (see
+    _client_state.py); the message names where in it and the type. Nothing was saved."""
 
 
 class CheckpointMismatchError(CheckpointError):

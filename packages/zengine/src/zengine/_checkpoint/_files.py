@@ -8,6 +8,14 @@ rewrite ``<root>/latest``, each by an atomic rename. A save that dies at any poi
 most a ``.partial`` directory, which no load ever reads, and ``latest`` still names the previous
 checkpoint, whose files were never touched. Loads check the checksums, so a file damaged later
 is named rather than silently loaded.
+
+[Note: a killed save's .partial folder]
+A save that is killed (the job's processes gone, no ``except`` run) leaves its ``.partial``
+folder. Rank 0 writes a marker, ``zengine-partial.json`` (its host and process id), into the
+folder as soon as it creates it, and removes the marker just before the rename. The next save
+into the same save_dir removes every ``.partial`` folder holding that marker whose process is not
+alive (on this host; one another host wrote is taken as dead: a save runs one job per save_dir),
+and logs each. A folder ending in ``.partial`` without the marker is not ours and stays.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import zlib
 from pathlib import Path
 from typing import Any
@@ -26,6 +35,8 @@ from zengine._checkpoint._errors import CorruptCheckpointError
 __all__ = [
     "LATEST",
     "MANIFEST",
+    "PARTIAL_MARKER",
+    "abandoned_partials",
     "checksum",
     "partial_dir",
     "publish",
@@ -33,16 +44,53 @@ __all__ = [
     "read_latest",
     "read_manifest",
     "resolve",
+    "start_partial",
+    "verify",
+    "verify_checkpoint",
     "write_atomic",
 ]
 
 LATEST = "latest"  # DeepSpeed's name: a text file holding the newest tag
 MANIFEST = "zengine.json"
+PARTIAL_MARKER = "zengine-partial.json"  # see [Note: a killed save's .partial folder]
 _BLOCK = 8 << 20
 
 
 def partial_dir(root: Path, tag: str) -> Path:
     return root / f".{tag}.partial"
+
+
+def start_partial(partial: Path) -> None:
+    """Create the ``.partial`` folder of a save with our marker in it."""
+    partial.mkdir()
+    marker = {"host": socket.gethostname(), "pid": os.getpid()}
+    (partial / PARTIAL_MARKER).write_text(json.dumps(marker))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def abandoned_partials(root: Path) -> list[tuple[Path, str]]:
+    """The ``.partial`` folders in `root` that a save of ours began and whose process is gone,
+    each with who wrote it (see [Note: a killed save's .partial folder])."""
+    found = []
+    for folder in sorted(root.glob(".*.partial")):
+        try:
+            marker = json.loads((folder / PARTIAL_MARKER).read_text())
+            host, pid = str(marker["host"]), int(marker["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours (or not a folder)
+        if host == socket.gethostname() and pid != os.getpid() and _alive(pid):
+            continue  # a save still running in another process
+        found.append((folder, f"process {pid} on {host}"))
+    return found
 
 
 def _fsync_dir(path: Path) -> None:
@@ -140,7 +188,27 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as error:
         raise CorruptCheckpointError(f"{path} is corrupt: {error}") from None
+    problem = _malformed(manifest)
+    if problem:
+        raise CorruptCheckpointError(f"{path} is corrupt: {problem}")
     return manifest
+
+
+def _malformed(manifest: Any) -> str | None:
+    """What is wrong with a manifest's shape (the list of files every load checks), if any."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return "it lists no files"
+    if ".metadata" not in manifest["files"]:
+        return "it does not list .metadata"
+    for name, entry in manifest["files"].items():
+        fields = entry.keys() if isinstance(entry, dict) else set()
+        if not {"crc32", "bytes", "rank"} <= fields or not all(
+            isinstance(entry[k], int) for k in ("crc32", "bytes", "rank")
+        ):
+            return f"its entry of {name!r} is not a CRC32, a size and a rank"
+        if Path(name).name != name:
+            return f"it lists {name!r}, which is not a file of the checkpoint's folder"
+    return None
 
 
 def verify(directory: Path, files: dict[str, Any], names: list[str]) -> list[str]:
@@ -164,6 +232,15 @@ def verify(directory: Path, files: dict[str, Any], names: list[str]) -> list[str
                 f"(written by rank {expected['rank']})"
             )
     return problems
+
+
+def verify_checkpoint(directory: Path, manifest: dict[str, Any]) -> None:
+    """Every file of the checkpoint against its manifest's size and CRC32, in this process
+    (what ``load_checkpoint`` checks, over its ranks): `CorruptCheckpointError` naming each
+    damaged or missing file."""
+    problems = verify(directory, manifest["files"], sorted(manifest["files"]))
+    if problems:
+        raise CorruptCheckpointError("\n  ".join(problems))
 
 
 def remove_quietly(path: Path) -> None:

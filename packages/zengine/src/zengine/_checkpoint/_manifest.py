@@ -20,7 +20,7 @@ from zengine._checkpoint._state import full_shape, persistent_buffers
 if TYPE_CHECKING:
     from zengine._engine import Engine
 
-__all__ = ["FORMAT", "check", "describe"]
+__all__ = ["FORMAT", "check", "check_format", "describe"]
 
 FORMAT = 1  # bumped when the layout of the keys changes
 _SHOWN = 8  # differences listed per kind before "and N more"
@@ -143,6 +143,14 @@ def optimizer_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[st
     return out + _listed("parameters in another optimizer group", moved)
 
 
+def check_format(saved: dict[str, Any], where: str) -> None:
+    """`CheckpointMismatchError` unless the manifest `saved` is of the format this reads."""
+    if saved.get("format") != FORMAT:
+        raise CheckpointMismatchError(
+            f"{where}: checkpoint format {saved.get('format')!r}, this zengine reads {FORMAT}"
+        )
+
+
 def check(
     saved: dict[str, Any], engine: Engine, *, where: str, optimizer: bool, strict: bool = True
 ) -> None:
@@ -150,10 +158,7 @@ def check(
     and `engine`; log what differs but reshards (world size, stage, precision). Not `strict`
     (``load_module_strict=False``), parameters and buffers only one side has are logged, not
     errors, unless the optimizer's state is to be loaded too (it is laid out over them all)."""
-    if saved.get("format") != FORMAT:
-        raise CheckpointMismatchError(
-            f"{where}: checkpoint format {saved.get('format')!r}, this zengine reads {FORMAT}"
-        )
+    check_format(saved, where)
     now = describe(engine)
     names = name_differences(saved, now)
     problems = param_differences(saved, now)

@@ -17,6 +17,7 @@ planners about it. Every other value (a full tensor, a Python object) takes DCP'
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ from torch.distributed.checkpoint.planner_helpers import (
     _create_write_items,
     create_read_items_for_chunk_list,
 )
+
+from zengine._checkpoint._dcp_read import load_object
 
 __all__ = ["Piece", "PieceLoadPlanner", "PieceSavePlanner"]
 
@@ -153,6 +156,10 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             if value.data.numel():
                 items.extend(create_read_items_for_chunk_list(key, stored, [value.chunk()]))
         return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # not the default's torch.load(weights_only=False), which runs what the entry names
+        self.state_dict[read_item.dest_index.fqn] = load_object(value)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         value = self.state_dict[index.fqn]

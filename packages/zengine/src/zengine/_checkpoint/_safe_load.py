@@ -23,7 +23,7 @@ import torch
 
 from zengine._checkpoint._errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["Attributes", "load_file", "mappable", "release"]
+__all__ = ["Attributes", "load_file", "mappable", "refused", "release", "unpickling_error"]
 
 
 class Attributes:
@@ -66,17 +66,30 @@ def load_file(
             loaded: Any = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
             return loaded
     except pickle.UnpicklingError as error:
-        match = _GLOBAL.search(str(error))
-        asked = match.group(1) if match else str(error).splitlines()[0]
-        raise UnsafeCheckpointError(
-            f"{path} asks for {asked}, which zstack does not load: a checkpoint may hold "
-            "tensors, numbers, strings and containers of them (and the DeepSpeed records zstack "
-            "reads), never other objects, since unpickling one can run code. Save such values "
-            "elsewhere, or load this file yourself with torch.load(weights_only=False) if you "
-            "trust where it came from."
-        ) from None
+        raise unpickling_error(path, error) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
         raise CorruptCheckpointError(f"{path} cannot be read: {error}") from None
+
+
+def unpickling_error(path: Path, error: pickle.UnpicklingError) -> CorruptCheckpointError:
+    """What a ``weights_only`` load's error means: `refused` for the global it names, else a
+    damaged file."""
+    match = _GLOBAL.search(str(error))
+    if match:
+        return refused(path, match.group(1))
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CorruptCheckpointError(f"{path} cannot be read: {first}")
+
+
+def refused(path: Path, asked: str) -> UnsafeCheckpointError:
+    """The error for a file `path` that asks for `asked` ("module.Name")."""
+    return UnsafeCheckpointError(
+        f"{path} asks for {asked}, which zstack does not load: a checkpoint may hold "
+        "tensors, numbers, strings and containers of them (and the DeepSpeed records zstack "
+        "reads), never other objects, since unpickling one can run code. Save such values "
+        "elsewhere, or load this file yourself with torch.load(weights_only=False) if you "
+        "trust where it came from."
+    )
 
 
 def mappable(path: Path) -> bool:

@@ -13,20 +13,22 @@ import logging
 import os
 import re
 import time
-import warnings
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
 from zengine._checkpoint import _files as files
+from zengine._checkpoint._client_state import client_state_problem
 from zengine._checkpoint._dcp import save_sharded
+from zengine._checkpoint._dcp_read import SafeFileSystemReader, load_entries
 from zengine._checkpoint._ds_files import resolve_deepspeed
 from zengine._checkpoint._ds_load import load_deepspeed
-from zengine._checkpoint._errors import CheckpointError, CheckpointTagError, CorruptCheckpointError
+from zengine._checkpoint._errors import (
+    CheckpointError,
+    CheckpointTagError,
+    ClientStateError,
+    CorruptCheckpointError,
+)
 from zengine._checkpoint._manifest import check, describe
 from zengine._checkpoint._pieces import PieceLoadPlanner
 from zengine._checkpoint._recovery import write_recovery_script
@@ -61,23 +63,30 @@ def engine_sync(engine: Engine) -> Sync:
     return Sync(engine.group, engine.config.checkpoint.timeout)
 
 
-def _failures(error: CheckpointException) -> str:
-    """DCP's per-rank exceptions, one line each."""
-    return "; ".join(f"{type(e).__name__}: {e}" for e, _ in error.failures.values())
-
-
-def _agreed_tag(engine: Engine, sync: Sync, save_dir: Any, tag: str) -> str:
-    """The tag every rank saves under: rank 0's. Every rank sees every rank's `save_dir` and
-    tag, so they all raise alike (no directory, as DeepSpeed's ValueError; a tag that is no
-    directory name; different tags with ``tag_validation`` FAIL) or go on alike."""
-    asked: list[tuple[str | None, str]] = sync.gather((None if save_dir else repr(save_dir), tag))
-    no_dir = [f"{empty} on rank {rank}" for rank, (empty, _) in enumerate(asked) if empty]
+def _agreed_tag(
+    engine: Engine, sync: Sync, save_dir: Any, tag: str, client_state: Any = None
+) -> str:
+    """The tag every rank saves under: rank 0's. Every rank sees every rank's `save_dir`, tag
+    and what is wrong with its `client_state`, so they all raise alike (no directory, as
+    DeepSpeed's ValueError; a client state that is not plain data; a tag that is no directory
+    name; different tags with ``tag_validation`` FAIL) or go on alike."""
+    asked: list[tuple[str | None, str, str | None]] = sync.gather(
+        (None if save_dir else repr(save_dir), tag, client_state_problem(client_state))
+    )
+    no_dir = [f"{empty} on rank {rank}" for rank, (empty, _, _) in enumerate(asked) if empty]
     if no_dir:
         raise ValueError(
             f"save_checkpoint: save_dir must be a non-empty path, got {', '.join(no_dir)} "
             "(use '.' for the current directory)"
         )
-    tags = [t for _, t in asked]
+    unsafe = [f"rank {rank}: {problem}" for rank, (_, _, problem) in enumerate(asked) if problem]
+    if unsafe:
+        raise ClientStateError(
+            "save_checkpoint: client_state may hold only plain data (None, bool, int, float, "
+            "str, bytes, tensors, and lists, tuples and dicts of them), since a checkpoint is "
+            "loaded without running code; nothing was saved:\n  " + "\n  ".join(unsafe)
+        )
+    tags = [t for _, t, _ in asked]
     bad = sorted({t for t in tags if not _TAG.fullmatch(t) or t == files.LATEST})
     if bad:
         raise ValueError(
@@ -120,6 +129,7 @@ def save_checkpoint(
         sync,
         save_dir,
         str(tag) if tag is not None else f"global_step{engine.global_steps}",
+        client_state,
     )
     root = Path(save_dir)
     partial = files.partial_dir(root, tag)
@@ -128,8 +138,13 @@ def save_checkpoint(
     if sync.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            for folder, writer in files.abandoned_partials(root):
+                files.remove_quietly(folder)
+                log.warning(
+                    "zengine: removed %s, left by a save that did not finish (%s)", folder, writer
+                )
             files.remove_quietly(partial)
-            partial.mkdir()
+            files.start_partial(partial)
         except OSError as exc:
             error = f"cannot create {partial}: {exc}"
     sync.agree(f"save_checkpoint({str(root)!r}, tag={tag!r})", error)
@@ -227,6 +242,7 @@ def _finish(
     written[".metadata"] = {"crc32": crc, "bytes": size, "rank": 0}
     manifest = {**describe(engine, exclude_frozen), "tag": final.name, "files": written}
     files.write_atomic(partial / files.MANIFEST, json.dumps(manifest, indent=1).encode())
+    (partial / files.PARTIAL_MARKER).unlink()  # complete: not for a later save to remove
     files.publish(partial, final)
     if save_latest:
         files.write_atomic(final.parent / files.LATEST, final.name.encode())
@@ -359,9 +375,15 @@ def read_entries(
     entry of the model (and of the optimizer), or those whose key `keep` keeps, and the
     objects `extras` (DCP replaces their values). `saved_masters`: the parameters the
     checkpoint has masters of, which an engine without an optimizer reads its weights from."""
-    reader = FileSystemReader(directory)
-    metadata = reader.read_metadata()
-    error = None
+    error: CheckpointError | None = None
+    metadata = None
+    try:
+        metadata = SafeFileSystemReader(directory).read_metadata()
+    except CheckpointError as exc:
+        error = exc
+    where = f"load_checkpoint({str(directory)!r}): reading"
+    sync.agree(where, error, CorruptCheckpointError)
+    assert metadata is not None
     with frozen_shards_in_memory(engine):  # frozen shards kept as codes or on NVMe
         entries: dict[str, Any] = dict(model_entries(engine, saved_masters=saved_masters))
         if optimizer:  # creates the state the optimizer has not made yet, as the file has it
@@ -370,10 +392,8 @@ def read_entries(
         for key in extras:
             dest[key] = entries.get(key)
         try:  # each rank reads its own pieces: no collective (see _dcp.py)
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single ..."
-                warnings.simplefilter("ignore", UserWarning)
-                dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)
-        except CheckpointException as exc:
-            error = _failures(exc)
-    sync.agree(f"load_checkpoint({str(directory)!r}): reading", error, CorruptCheckpointError)
+            load_entries(dest, directory, PieceLoadPlanner())
+        except CheckpointError as exc:
+            error = exc
+    sync.agree(where, error, CorruptCheckpointError)
     return dest

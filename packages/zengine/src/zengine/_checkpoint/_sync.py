@@ -4,13 +4,17 @@ Every step of a save or load that can fail on one rank (a full disk, a corrupt f
 `Sync.agree`: each rank says what went wrong, if anything, and then every rank raises the same
 error naming every failed rank, so no rank hangs in a later collective waiting for one that
 already gave up. `Sync.arrive` is where a rank that never comes is noticed: on gloo a monitored
-barrier with the ``checkpoint.timeout`` names the ranks that did not arrive.
+barrier with the ``checkpoint.timeout`` names the ranks that did not arrive, and a rank whose
+process is gone (gloo reports its closed connection as the barrier failing at once) is named as
+crashed, not as late.
 """
 
 from __future__ import annotations
 
 import ctypes
 import pickle
+import re
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +25,7 @@ import zcomm
 from zengine._checkpoint._errors import (
     CheckpointError,
     CheckpointMismatchError,
+    ClientStateError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
 )
@@ -45,15 +50,50 @@ class Sync:
         if dist.get_backend(self.group) != "gloo":
             zcomm.barrier(group=self.group)  # the group's own timeout, named by zcomm
             return
+        start = time.monotonic()
         try:
             dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as error:
-            raise zcomm.CommTimeoutError(
-                f"monitored_barrier at the start of {op}",
-                f"the data-parallel group ({self.world} ranks)",
+            raise self._absent(op, error, time.monotonic() - start) from error
+
+    def _absent(self, op: str, error: RuntimeError, waited: float) -> zcomm.CommError:
+        """The error of a monitored barrier that failed after `waited` seconds: a timeout
+        naming the late ranks, or, when it failed before its timeout (gloo fails it as soon as
+        a rank's connection closes), the rank that exited or crashed."""
+        text = str(error)
+        where = f"monitored_barrier at the start of {op}"
+        group = f"the data-parallel group ({self.world} ranks)"
+        limit = re.search(r"in (\d+) ms", text)
+        if limit is not None and waited * 1000 >= 0.9 * int(limit.group(1)):
+            return zcomm.CommTimeoutError(
+                where,
+                group,
                 dist.get_rank(),
-                f"{error} (those ranks did not call {op} in time: every rank must call it)",
-            ) from error
+                f"{text} (those ranks did not call {op} in time: every rank must call it)",
+            )
+        listed = re.search(r"Ranks? ([\d, ]+) failed to pass", text)
+        # every other rank hears from rank 0 only; rank 0 from every rank, and gloo names them
+        # unless it saw a connection close first: then, of two ranks, the other one
+        if self.rank != 0:
+            ranks = str(self._global(0))
+        elif listed is not None:
+            ranks = ", ".join(str(self._global(int(r))) for r in re.findall(r"\d+", listed[1]))
+        elif self.world == 2:
+            ranks = str(self._global(1))
+        else:
+            others = sorted(self._global(r) for r in range(1, self.world))
+            ranks = f"of {others} (gloo does not say which)"
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        return zcomm.CommError(
+            where,
+            group,
+            dist.get_rank(),
+            f"rank {ranks} exited or crashed instead of calling {op} (its connection closed "
+            f"after {waited:.1f} s, before any timeout): {first}",
+        )
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value` (picklable), in rank order.
@@ -115,4 +155,10 @@ class Sync:
         raise chosen(f"{what} failed on rank {ranks}:\n  {detail}")
 
 
-_KINDS = (CheckpointError, CheckpointMismatchError, CorruptCheckpointError, UnsafeCheckpointError)
+_KINDS = (
+    CheckpointError,
+    CheckpointMismatchError,
+    ClientStateError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)

@@ -16,17 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from zengine._checkpoint import _files as files
 from zengine._checkpoint._consolidate import DEFAULT_BUDGET, Entry, read_tensors
+from zengine._checkpoint._dcp_read import SafeFileSystemReader, load_entries
 from zengine._checkpoint._errors import CheckpointError, CorruptCheckpointError
 from zengine._checkpoint._manifest import FORMAT
 from zengine._checkpoint._pieces import PieceLoadPlanner
@@ -71,9 +69,7 @@ def export_universal(
             f"zengine writes universal checkpoints of format {FORMAT}"
         )
     if verify:
-        problems = files.verify(directory, manifest["files"], sorted(manifest["files"]))
-        if problems:
-            raise CorruptCheckpointError("; ".join(problems))
+        files.verify_checkpoint(directory, manifest)
     out = Path(out_dir)
     if out.exists() and not (out / ZERO / OPTIMIZER_STATE).is_file():
         raise CheckpointError(
@@ -161,7 +157,7 @@ def _plan(directory: Path, manifest: dict[str, Any], metadata: dict[str, Any]) -
 def _write(directory: Path, manifest: dict[str, Any], partial: Path, budget: int) -> None:
     zero = partial / ZERO
     plan = _plan(
-        directory, manifest, FileSystemReader(directory).read_metadata().state_dict_metadata
+        directory, manifest, SafeFileSystemReader(directory).read_metadata().state_dict_metadata
     )
     client = rank_key(0, "client_state")  # DeepSpeed has one client state: rank 0's
     objects = _read_objects(directory, [ENGINE, PARAM_GROUPS, client, *plan.steps.values()])
@@ -212,8 +208,7 @@ def _read_objects(directory: Path, keys: list[str]) -> dict[str, Any]:
     """What DCP stored whole (Python objects, 0-d tensors) under `keys`."""
     if not keys:
         return {}
-    reader = FileSystemReader(directory)
-    metadata = reader.read_metadata().state_dict_metadata
+    metadata = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
     dest: dict[str, Any] = {}
     for key in keys:
         stored = metadata.get(key)
@@ -223,9 +218,7 @@ def _read_objects(directory: Path, keys: list[str]) -> dict[str, Any]:
             dest[key] = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
         else:
             dest[key] = None  # an object: DCP puts it in
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_load(dest, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=True)
+    load_entries(dest, directory, PieceLoadPlanner())
     return dest
 
 
