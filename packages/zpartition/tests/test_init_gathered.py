@@ -217,14 +217,20 @@ class TestGatheredParameters(DistributedTest):
         assert out.shape == (1, 3)
 
     @SIZES
-    def test_without_modifier_changes_are_dropped(self, world_size: int) -> None:
+    def test_without_modifier_changes_are_dropped_and_raise(self, world_size: int) -> None:
         model = nn.Linear(5, 3)
         zpartition.partition(model, config=ZeroParamConfig(param_persistence_threshold=0))
+        before = {}
+
+        def change() -> None:
+            with GatheredParameters(model.weight):
+                before["weight"] = model.weight.data.clone()
+                model.weight.data.add_(1.0)
+
+        with pytest.raises(zpartition.DiscardedChangeError):  # [Note: discarded changes]
+            change()
         with GatheredParameters(model.weight):
-            before = model.weight.data.clone()
-            model.weight.data.add_(1.0)
-        with GatheredParameters(model.weight):
-            assert torch.equal(model.weight.data, before)
+            assert torch.equal(model.weight.data, before["weight"])
 
     @SIZES
     def test_disabled_empty_and_unpartitioned(self, world_size: int) -> None:

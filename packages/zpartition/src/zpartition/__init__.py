@@ -7,6 +7,7 @@ parameters keep DeepSpeed's ``ds_*`` attributes, so code written for DeepSpeed Z
 
 from zpartition.__about__ import __version__
 from zpartition._config import ZeroParamConfig
+from zpartition._discarded import DiscardedChangeError
 from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter, unregister_external_parameter
 from zpartition._gathered import GatheredParameters
@@ -32,6 +33,7 @@ from zpartition._tensors import apply_to_tensors_only, is_zero_param
 from zpartition._unit import Unit
 
 __all__ = [
+    "DiscardedChangeError",
     "GatheredParameters",
     "GradientSink",
     "Init",

@@ -11,6 +11,8 @@ from torch import nn
 
 import zcomm
 from zpartition._channel import Kind
+from zpartition._discarded import Found, Snapshot, discarded_error
+from zpartition._errors import ZeroParamError
 from zpartition._external import register_external_parameter
 from zpartition._gather import gather_now, release_now
 from zpartition._param import ZeroParameter, next_module_id, zero_params
@@ -28,13 +30,16 @@ def _zero_params(params: torch.Tensor | Iterable[torch.Tensor] | None) -> list[Z
 
 
 class GatheredParameters:
-    """Gather `params` on entry; on exit, keep `modifier_rank`'s changes or drop all changes.
+    """Gather `params` on entry; on exit, keep `modifier_rank`'s changes or refuse changes.
 
     With ``modifier_rank=r``, rank r's values (changed inside the block, on every rank's copy
     or only on r's) are broadcast to every rank and cut into the shards again; with ``None``,
-    changes are dropped and the shards stay as they were. Parameters that are not partitioned
-    are passed over; ``enabled=False`` does nothing. `fwd_module` registers the parameters as
-    external parameters of that module. Every rank of the group must enter the block.
+    the block is a read: the shards stay as they were, and a change made inside (on any rank)
+    is dropped and raises `DiscardedChangeError` on every rank of the group, naming the
+    parameters and the ranks ([Note: discarded changes], which says what is seen and what is
+    not). Parameters that are not partitioned are passed over; ``enabled=False`` does nothing.
+    `fwd_module` registers the parameters as external parameters of that module. Every rank
+    of the group must enter and leave the block.
     """
 
     def __init__(
@@ -50,6 +55,7 @@ class GatheredParameters:
         self._user = next_module_id()  # holds the units for this block only
         # With one rank the full data *is* the shard, so edits must be undone by hand.
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._snapshot: Snapshot | None = None  # without modifier_rank: what to check at exit
 
     def __enter__(self) -> None:
         if not self.params:
@@ -57,6 +63,7 @@ class GatheredParameters:
         units = gather_now(self.params, self._user)
         if self.modifier_rank is None:
             self._saved = [(u.shard, u.shard.clone()) for u in units if u.full is u.shard]
+            self._snapshot = Snapshot(self.params, units, [s for _, s in self._saved])
         if self.fwd_module is not None:
             for p in self.params:
                 register_external_parameter(self.fwd_module, p)
@@ -69,13 +76,38 @@ class GatheredParameters:
     ) -> None:
         if not self.params:
             return
-        if self.modifier_rank is not None and exc_type is None:
-            self._keep_changes(self.modifier_rank)
-        for shard, saved in self._saved:
-            shard.copy_(saved)
-        self._saved = []
-        # what the block took from the parameters (a state_dict) stays valid after it
-        release_now(self.params, self._user, give_away=True)
+        snapshot, self._snapshot = self._snapshot, None
+        found = Found()
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                self._keep_changes(self.modifier_rank)
+            # after a disagreement the ranks' collectives no longer pair: agree on nothing more
+            if snapshot is not None and not (exc_type and issubclass(exc_type, ZeroParamError)):
+                found = self._check(snapshot, quiet=exc_type is not None)
+        finally:
+            for shard, saved in self._saved:
+                shard.copy_(saved)
+            self._saved = []
+            if found:  # persistent units stay gathered: the next refresh gathers them again
+                for u in snapshot.units if snapshot is not None else []:
+                    if u.persistent:
+                        u._gathered_version = -1  # every rank alike: all found the same
+            # what the block took from the parameters (a state_dict) stays valid after it
+            release_now(self.params, self._user, give_away=True)
+        if found and exc_type is None:
+            raise discarded_error(found)
+
+    @staticmethod
+    def _check(snapshot: Snapshot, *, quiet: bool) -> Found:
+        """What every rank changed ([Note: discarded changes]). `quiet`: the block is raising
+        already; agree all the same (the other ranks wait for it) but let that exception go."""
+        channel = snapshot.units[0].channel
+        try:
+            return snapshot.agree(channel, snapshot.changed_here())
+        except Exception:
+            if not quiet:
+                raise
+            return Found()
 
     def _keep_changes(self, modifier_rank: int) -> None:
         """Broadcast the modifier's full values and write this rank's chunk into the shard."""
