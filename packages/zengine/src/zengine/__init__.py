@@ -9,6 +9,7 @@ DeepSpeed's activation checkpointing; ``zengine.ops`` its optimizer classes.
 from zcomm import init_distributed
 from zengine import checkpointing, ops, pipe, utils, zero
 from zengine.__about__ import __version__
+from zengine._agreement import RankMismatchError
 from zengine._checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
@@ -75,6 +76,7 @@ __all__ = [
     "MemoryEstimate",
     "MinLossScaleError",
     "OneCycle",
+    "RankMismatchError",
     "StaticLossScaler",
     "UsageError",
     "WarmupCosineLR",

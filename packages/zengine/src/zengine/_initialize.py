@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import zcomm
+from zengine._agreement import agree, describe_setup
 from zengine._assembly import (
     check_allgather_bucket_size,
     hybrid_groups,
@@ -83,14 +84,23 @@ def initialize(
             config=config,
         )
     group = mpu.get_data_parallel_group() if mpu is not None else None
-    raw = read_config(config)
-    # a model without an optimizer (TRL's reference model, an inference engine) may come with
-    # a config the training run has yet to fill: its "auto" values take the defaults
-    with_optimizer = optimizer is not None or raw.get("optimizer") is not None
-    cfg = load_config(raw, world_size=dist.get_world_size(group), with_optimizer=with_optimizer)
     device = torch.device(zcomm.get_accelerator().current_device_name())
-    groups, options = param_groups(model, optimizer, model_parameters)
-    make_optimizer = optimizer_factory(optimizer, cfg)  # its errors come before any change
+    try:  # what each rank reads on its own, before any collective
+        raw = read_config(config)
+        # a model without an optimizer (TRL's reference model, an inference engine) may come
+        # with a config the training run has yet to fill: its "auto" values take the defaults
+        with_optimizer = optimizer is not None or raw.get("optimizer") is not None
+        world_size = dist.get_world_size(group)
+        cfg = load_config(raw, world_size=world_size, with_optimizer=with_optimizer)
+        groups, options = param_groups(model, optimizer, model_parameters)
+        make_optimizer = optimizer_factory(optimizer, cfg)  # its errors come before any change
+        setup = describe_setup(cfg, model, groups, options, optimizer)
+    except Exception as error:  # the other ranks hear of it rather than wait for this one
+        agree(error, group=group, device=device)
+        raise  # agree raised it already; this line is for the type checker
+    # the same config and parameters on every rank, before the first collective that depends
+    # on them ([Note: agreement at initialize])
+    agree(setup, group=group, device=device)
     if make_optimizer is None:
         engine = _without_optimizer(model, lr_scheduler, cfg, group, device)
         return engine, None, training_loader(engine, training_data, collate_fn), None

@@ -24,6 +24,7 @@ from zengine._config._deepspeed_keys import keys_at, set_aside
 from zengine._config._errors import ConfigError, config_error, describe_validation_error, show
 from zengine._config._grad_reduction import GradReduction
 from zengine._config._hf_edits import expand_dotted, without_auto
+from zengine._config._params import param_problems
 from zengine._config._sections import (
     AioConfig,
     BF16Config,
@@ -261,6 +262,7 @@ def load_config(
         problems += describe_validation_error(error, _GivenConfig, keys_at)
     problems += aside.problems
     problems += _precision_problems(data)
+    problems += param_problems(data)
     batch, batch_problems = resolve_batch(data, world_size)
     problems += batch_problems
     if problems or given is None or batch is None:
@@ -304,7 +306,7 @@ def read_section(config: ConfigSource, key: str) -> Section:
     given = {k: v for k, v in data.items() if _Sections._field_of(str(k).split(".")[0]) == name}
     given, problems = expand_dotted(given, _Sections)  # [Note: dotted keys and "auto"]
     aside = set_aside(given)  # [Note: DeepSpeed keys without a feature]
-    problems += aside.problems
+    problems += aside.problems + param_problems(aside.data)
     try:
         validated = _Sections.model_validate(aside.data)
     except ValidationError as error:
