@@ -15,7 +15,8 @@ folder. Rank 0 writes a marker, ``zengine-partial.json`` (its host and process i
 folder as soon as it creates it, and removes the marker just before the rename. The next save
 into the same save_dir removes every ``.partial`` folder holding that marker whose process is not
 alive (on this host; one another host wrote is taken as dead: a save runs one job per save_dir),
-and logs each. A folder ending in ``.partial`` without the marker is not ours and stays.
+and logs each. A folder ending in ``.partial`` without the marker is not ours and stays
+(but for the tag being saved: its ``.<tag>.partial`` is where the save writes).
 """
 
 from __future__ import annotations

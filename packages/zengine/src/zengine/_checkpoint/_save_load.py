@@ -120,7 +120,18 @@ def save_checkpoint(
     With `universal`, rank 0 then writes the saved checkpoint as DeepSpeed's universal checkpoint
     in ``save_dir/<tag>_universal`` (and, with `save_latest`, ``save_dir/latest_universal``).
     Rank 0 writes ``save_dir/zero_to_fp32.py`` as DeepSpeed does (see _recovery.py), unless
-    `recovery_script` is False (a pipeline's stage: its save_dir is not the one users run)."""
+    `recovery_script` is False (a pipeline's stage: its save_dir is not the one users run).
+
+    `client_state` (each rank's own) may hold plain data only, since a checkpoint is loaded
+    without running code: None, bool, int, float, str, bytes, tensors, ``torch.Size``,
+    ``torch.dtype``, ``torch.device``, and lists, tuples and dicts (keys: None, bool, int,
+    float, str) of them, exactly those types. Anything else (a sampler, a ``torch.Generator``, a
+    NumPy array, a namedtuple) fails the save on every rank before anything is written, with a
+    `ClientStateError` naming the rank, where it is (``client_state['sampler']['gen']``) and
+    its type (see _client_state.py).
+
+    A ``.partial`` folder in `save_dir` that a killed save of ours left (see [Note: a killed
+    save's .partial folder]) is removed first, and logged."""
     sync = engine_sync(engine)
     sync.arrive("save_checkpoint")
     optimizer_of(engine).resident()  # offloaded to NVMe (offload_optimizer/param): read it back
