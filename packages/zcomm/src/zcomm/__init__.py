@@ -2,6 +2,8 @@
 
 ``import zcomm as dist`` stands in for ``deepspeed.comm``; `get_accelerator` for DeepSpeed's;
 `zcomm.topology` for its pipeline topology; `zcomm.testing` holds the distributed test harness.
+`set_activity` records the engine call each rank runs, and the watchdog names a rank that
+stops answering (`RankUnresponsiveError`) or ranks out of step (`RanksOutOfStepError`).
 `quantize` and `dequantize` pack a tensor into int8 or int4 blocks for quantized communication;
 `all_gather_quantized` and `reduce_scatter_quantized` are ZeRO++'s collectives built on them.
 """
@@ -52,6 +54,18 @@ from zcomm._quantized_collectives import (
     quantized_collective_nbytes,
     reduce_scatter_quantized,
 )
+from zcomm._watchdog import (
+    ACTIVITY as current_activity,
+)
+from zcomm._watchdog import (
+    CALLS,
+    Activity,
+    RanksOutOfStepError,
+    RankUnresponsiveError,
+    set_activity,
+    set_watchdog,
+    watchdog_seconds,
+)
 from zcomm._world import (
     destroy,
     get_local_rank,
@@ -62,7 +76,9 @@ from zcomm._world import (
 )
 
 __all__ = [
+    "CALLS",
     "Accelerator",
+    "Activity",
     "CommError",
     "CommOpStats",
     "CommTimeoutError",
@@ -71,6 +87,8 @@ __all__ = [
     "P2POp",
     "QuantizationError",
     "Quantized",
+    "RankUnresponsiveError",
+    "RanksOutOfStepError",
     "ReduceOp",
     "TopologyError",
     "__version__",
@@ -84,6 +102,7 @@ __all__ = [
     "broadcast",
     "comm_bytes_by_link",
     "comm_summary",
+    "current_activity",
     "dequantize",
     "destroy",
     "enable_comm_accounting",
@@ -111,5 +130,8 @@ __all__ = [
     "reduce_scatter_tensor",
     "reset_comm_accounting",
     "send",
+    "set_activity",
     "set_node_layout",
+    "set_watchdog",
+    "watchdog_seconds",
 ]

@@ -145,6 +145,7 @@ def all_reduce(
         async_op=async_op,
         nbytes=_nbytes(tensor),
         finish=finish,
+        sliced=tensor.is_cpu,
     )
 
 
@@ -186,6 +187,7 @@ def reduce(
         async_op=async_op,
         nbytes=_nbytes(tensor),
         finish=finish,
+        sliced=tensor.is_cpu,
     )
 
 
@@ -217,6 +219,7 @@ def broadcast(
         lambda a: dist.broadcast(tensor, src, group=group, async_op=a),
         async_op=async_op,
         nbytes=_nbytes(tensor),
+        sliced=tensor.is_cpu,
     )
 
 
@@ -300,6 +303,7 @@ def all_gather(
         lambda a: dist.all_gather(list(tensor_list), tensor, group=group, async_op=a),
         async_op=async_op,
         nbytes=_nbytes(tensor) * size,
+        sliced=tensor.is_cpu,
     )
 
 
@@ -335,6 +339,7 @@ def all_gather_into_tensor(
         lambda a: _all_gather_single(output_tensor, input_tensor, group=group, async_op=a),
         async_op=async_op,
         nbytes=_nbytes(output_tensor),
+        sliced=output_tensor.is_cpu,
     )
 
 
@@ -393,6 +398,7 @@ def all_to_all_single(
         lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
         async_op=async_op,
         nbytes=_nbytes(input),
+        sliced=input.is_cpu,
     )
 
 
@@ -509,6 +515,7 @@ def _scatter(
         async_op=async_op,
         nbytes=_nbytes(input),
         finish=finish if finishers else None,
+        sliced=input.is_cpu,
     )
 
 
@@ -516,4 +523,11 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Block until every rank of `group` has reached this call."""
     if group_size("barrier", check_group("barrier", group)) == 1:
         return
-    run("barrier", group, lambda a: dist.barrier(group=group, async_op=a), async_op=False, nbytes=0)
+    run(
+        "barrier",
+        group,
+        lambda a: dist.barrier(group=group, async_op=a),
+        async_op=False,
+        nbytes=0,
+        sliced=dist.get_backend(group) == "gloo",
+    )

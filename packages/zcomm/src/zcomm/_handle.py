@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from zcomm import _accounting, _nodes
 from zcomm._errors import CommError, comm_error
+from zcomm._watchdog import SLICE, wait_slowly
 
 __all__ = ["Handle", "completed", "run"]
 
@@ -28,7 +29,17 @@ class Handle:
     calls and for the world-of-one fast path) and is idempotent.
     """
 
-    __slots__ = ("_done", "_finish", "_group", "_nbytes", "_op", "_peer", "_start", "_work")
+    __slots__ = (
+        "_done",
+        "_finish",
+        "_group",
+        "_nbytes",
+        "_op",
+        "_peer",
+        "_sliced",
+        "_start",
+        "_work",
+    )
 
     def __init__(
         self,
@@ -39,8 +50,10 @@ class Handle:
         finish: Callable[[], None] | None = None,
         nbytes: int = 0,
         peer: int | None = None,
+        sliced: bool = False,
     ) -> None:
         self._op = op  # for error messages and accounting
+        self._sliced = sliced  # a host collective: waited in slices ([Note: the watchdog])
         self._group = group
         self._peer = peer  # a point-to-point operation's other rank: its link class
         self._work = work  # None once complete (or when nothing was sent)
@@ -69,7 +82,15 @@ class Handle:
         work, self._work = self._work, None
         if work is not None:
             try:
-                work.wait() if timeout is None else work.wait(timeout)
+                if timeout is not None:
+                    work.wait(timeout)
+                elif not self._sliced:
+                    work.wait()
+                else:
+                    try:
+                        work.wait(SLICE)
+                    except RuntimeError:
+                        wait_slowly(work, self._op, self._group)
             except CommError:
                 self._done = True
                 raise  # a staged collective's own handle said it ([Note: host tensors on NCCL])
@@ -107,19 +128,33 @@ def run(
     nbytes: int,
     finish: Callable[[], None] | None = None,
     peer: int | None = None,
+    sliced: bool = False,
 ) -> Handle:
     """Issue `call(async_op)` and return its handle; synchronous calls come back completed.
-    `peer` is a point-to-point operation's other global rank."""
+    `peer` is a point-to-point operation's other global rank. A `sliced` operation (one on
+    host tensors, over gloo) is waited in slices, with the watchdog's checks between them
+    ([Note: the watchdog])."""
     if not async_op and finish is None and not _accounting.enabled():
         # The common call: synchronous, nothing to finish, nothing to record. A completed
         # handle never changes, so one per operation serves every such call, and the hot
-        # path costs the torch call and little more.
+        # path costs the torch call and little more. Sliced, it is issued async and waited
+        # once with a timeout: the same two calls torch makes for a synchronous one.
         try:
-            call(False)
+            if not sliced:
+                call(False)
+            else:
+                work = call(True)
+                if work is not None:
+                    try:
+                        work.wait(SLICE)
+                    except RuntimeError:
+                        wait_slowly(work, op, group)
+        except CommError:
+            raise  # the watchdog's, or the slow wait's wrapping of torch's
         except RuntimeError as error:
             raise comm_error(op, group, error) from error
         return _done(op)
-    handle = Handle(op, group, None, finish=finish, nbytes=nbytes, peer=peer)
+    handle = Handle(op, group, None, finish=finish, nbytes=nbytes, peer=peer, sliced=sliced)
     try:
         work = call(async_op)
     except RuntimeError as error:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
+from zcomm import _watchdog
 from zcomm._accelerator import get_accelerator
 
 __all__ = [
@@ -147,6 +148,7 @@ def init_distributed(
     distributed_port: int = 29500,
     verbose: bool = True,
     config: object = None,
+    watchdog: float | None = None,
 ) -> None:
     """Start torch.distributed for this process; harmless when it is already started.
 
@@ -166,7 +168,13 @@ def init_distributed(
             set when there are several ranks.
         distributed_port: the MASTER_PORT an MPI launch uses when none is set (DeepSpeed's).
         verbose, config: DeepSpeed's; nothing here depends on them.
+        watchdog: seconds a rank may stay silent (frozen, unreachable) while another waits
+            for it in a host collective before it is named in an error, and how long ranks
+            may wait in different collectives before they are ([Note: the watchdog]); 0
+            turns the checks off. Default: ``ZCOMM_WATCHDOG``, else 30.
     """
+    if watchdog is not None:
+        _watchdog.set_watchdog(watchdog)
     rank = None if rank == -1 else rank
     world_size = None if world_size == -1 else world_size
     chosen = _resolve_backend(backend, dist_backend)
@@ -272,6 +280,7 @@ def _start(
     # 5-14% of the runs of a 2-rank zengine job on this 2-core machine (a core dump showed
     # the worker in ~AsyncAllreduceWork); with the collection and the teardown done at exit,
     # while the interpreter still runs, 0 of 100. A script that called destroy() loses nothing.
+    _watchdog.start()
     global _teardown_registered
     if not _teardown_registered:
         atexit.register(_teardown)
@@ -320,6 +329,7 @@ def group_size(caller: str, group: dist.ProcessGroup | None) -> int:
 
 def destroy() -> None:
     """Tear down every process group and zcomm's caches of them; harmless when not started."""
+    _watchdog.stop()
     for hook in _destroy_hooks:
         hook()
     if is_initialized():

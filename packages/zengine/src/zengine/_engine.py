@@ -286,6 +286,7 @@ class Engine(nn.Module):
     # -- the loop --------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        zcomm.set_activity("forward", self.global_steps)  # [Note: the watchdog] in zcomm
         self._idle_trim.busy()
         self._offloaded.require(self, "forward()", [OffloadStateTypeEnum.lp_params])
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
@@ -313,6 +314,7 @@ class Engine(nn.Module):
                 f"{type(loss).__name__}{shape}"
             )
         zero = self._trainer("backward()")
+        zcomm.set_activity("backward", self.global_steps)
         self._offloaded.require(self, "backward()", OffloadStateTypeEnum)
         holding = self._holding is not None
         boundary = self.is_gradient_accumulation_boundary() and not holding
@@ -427,6 +429,12 @@ class Engine(nn.Module):
                 "yet: step after leaving it"
             )
         zero = self._trainer("step()")
+        zcomm.set_activity("step", self.global_steps)
+        if self.partitioned is not None:
+            # ranks agree that they all step before any reduces: a rank still in a forward or
+            # a backward meets this header with its own, and every rank raises, naming each
+            # one's call and step ([Note: agreement] in zpartition), instead of hanging
+            self.partitioned.agree_on_step()
         self._offloaded.require(self, "step()", OffloadStateTypeEnum)
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self._unused is not None:
@@ -500,6 +508,7 @@ class Engine(nn.Module):
         """Move training states (all five types by default) to host memory or NVMe files,
         freeing their memory here; `reload_states` brings them back bit-exact."""
         self._trainer("offload_states()")
+        zcomm.set_activity("offload_states", self.global_steps)
         if nvme_path is None:
             nvme_path = self.config.zero_optimization.offload_optimizer.nvme_path
         self._offloaded.offload(
@@ -515,6 +524,7 @@ class Engine(nn.Module):
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states` moved, into the same tensors; with `non_blocking`
         the copies may run on (the engine's next call waits for them)."""
+        zcomm.set_activity("reload_states", self.global_steps)
         self._offloaded.reload(non_blocking=non_blocking)
 
     def memory_held(self) -> dict[str, dict[str, int]]:
@@ -585,6 +595,7 @@ class Engine(nn.Module):
         DeepSpeed loads with ``"checkpoint": {"load_universal": true}``; written by rank 0).
         Collective."""
         self._trainer("save_checkpoint()")
+        zcomm.set_activity("save_checkpoint", self.global_steps)
         self._offloaded.require(self, "save_checkpoint()", OffloadStateTypeEnum)
         return self._write_checkpoint(
             save_dir, tag, client_state, save_latest, exclude_frozen_parameters, universal
@@ -605,6 +616,7 @@ class Engine(nn.Module):
         ``load_module_strict=False`` skips parameters and buffers only one side has, and
         ``load_module_only=True`` loads the weights alone; so does an engine without an
         optimizer (forward passes only: a trained model served at ZeRO-3). Collective."""
+        zcomm.set_activity("load_checkpoint", self.global_steps)
         self._offloaded.require(self, "load_checkpoint()", OffloadStateTypeEnum)
         return self._read_checkpoint(
             load_dir,

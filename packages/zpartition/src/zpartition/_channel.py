@@ -9,6 +9,11 @@ are all the same size, so two ranks that disagree still pair header with header;
 goes out only once every header matched, and a mismatch raises `ZeroParamError` on every rank,
 naming what each rank wanted (module, parameters, rank). One tiny collective per batch is the
 price; batches are large once the coordinator prefetches.
+
+The header also carries the engine call and step each rank is in (`zcomm.set_activity`, two
+words read here, set once per engine call), so ranks out of step (one in ``step()`` while the
+other gathers for a forward) fail together with each rank's call and step named, rather than
+pair a gather with a reduction and hang.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from zpartition._errors import ZeroParamError
 
 __all__ = ["Channel", "Kind"]
 
-_HEADER = 8  # int64 words: kind, count, checksum, then up to five ids for the message
-_SHOWN = _HEADER - 3
+_HEADER = 10  # int64 words: kind, count, checksum, engine call, step, then up to five ids
+_IDS = 5  # where the ids start
+_SHOWN = _HEADER - _IDS
 
 
 class Kind(enum.IntEnum):
@@ -38,6 +44,7 @@ class Kind(enum.IntEnum):
     REDUCE = 2
     BROADCAST = 3
     END_BACKWARD = 4
+    STEP = 5  # an engine's optimizer step begins
 
 
 def _checksum(ids: Sequence[int]) -> int:
@@ -107,30 +114,39 @@ class Channel:
         """Block until every rank announced the same `kind` and `ids`; raise if one did not."""
         if self.size == 1:
             return
-        mine = [int(kind), len(ids), _checksum(ids), *ids[:_SHOWN]]
+        activity = zcomm.current_activity
+        mine = [int(kind), len(ids), _checksum(ids), activity.code, activity.step, *ids[:_SHOWN]]
         mine += [-1] * (_HEADER - len(mine))
         header = torch.tensor(mine, dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.size * _HEADER, dtype=torch.int64, device=self.device)
         zcomm.all_gather_into_tensor(everyone, header, group=self.group)
         rows = everyone.view(self.size, _HEADER).tolist()
-        if any(row[:3] != mine[:3] for row in rows):
+        if any(row[:_IDS] != mine[:_IDS] for row in rows):
             raise ZeroParamError(self._disagreement(rows))
 
     def _disagreement(self, rows: list[list[int]]) -> str:
-        lines = [
-            "ranks disagree on which parameters to communicate (every rank must run the same "
-            "modules in the same order; make a module that runs on some ranks only a leaf with "
-            "zpartition.set_z3_leaf_modules so its parent gathers it on every rank):"
-        ]
+        if any(row[3:_IDS] != rows[0][3:_IDS] for row in rows):
+            lines = [
+                "ranks are out of step: they are in different engine calls or steps (every rank "
+                "must make the same engine calls, forward, backward, step, in the same order):"
+            ]
+        else:
+            lines = [
+                "ranks disagree on which parameters to communicate (every rank must run the "
+                "same modules in the same order; make a module that runs on some ranks only a "
+                "leaf with zpartition.set_z3_leaf_modules so its parent gathers it on every "
+                "rank):"
+            ]
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         for r, row in enumerate(rows):
             who = ranks[r] if ranks is not None else r
             kind = Kind(row[0]).name.lower().replace("_", " ") if row[0] in set(Kind) else "?"
-            shown = [self.describe(i) for i in row[3 : 3 + min(row[1], _SHOWN)]]
+            shown = [self.describe(i) for i in row[_IDS : _IDS + min(row[1], _SHOWN)]]
             more = f" and {row[1] - _SHOWN} more" if row[1] > _SHOWN else ""
             what = "; ".join(shown) + more if shown else "nothing"
             if row[1] > 1:
                 what = f"{row[1]} units: {what}"
             mark = " (this rank)" if r == self.rank else ""
-            lines.append(f"  rank {who}{mark}: {kind} {what}")
+            call = zcomm.CALLS[row[3]] if 0 <= row[3] < len(zcomm.CALLS) else "?"
+            lines.append(f"  rank {who}{mark}: in {call}, step {row[4]}: {kind} {what}")
         return "\n".join(lines)

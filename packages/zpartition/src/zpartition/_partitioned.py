@@ -299,6 +299,12 @@ class Partitioned:
         channel = self._state.channel
         channel.peak_live_numel = channel.live_numel
 
+    def agree_on_step(self) -> None:
+        """Block until every rank of the group begins an optimizer step; raise
+        `ZeroParamError` on every rank, naming each one's engine call and step, if a rank is
+        elsewhere (gathering for a forward, reducing in a backward) ([Note: agreement])."""
+        self._state.channel.agree(Kind.STEP, [])
+
     def release_all(self, *, persistent: bool = True) -> None:
         """Release every gathered parameter, the persistent ones too unless `persistent` is
         False (DeepSpeed's ``empty_partition_cache``): the next forward or backward gathers

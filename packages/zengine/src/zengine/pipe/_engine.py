@@ -269,6 +269,7 @@ class PipelineEngine(Engine):
         elif self._data_iterator is None and self.training_dataloader is not None:
             self._data_iterator = RepeatingLoader(self.training_dataloader)
         data_iter = self._data_iterator
+        zcomm.set_activity("train_batch", self.global_steps)  # [Note: the watchdog] in zcomm
         self.module.train()
         self._idle_trim.busy()
         self._offloaded.require(self, "train_batch()", OffloadStateTypeEnum)
@@ -295,6 +296,7 @@ class PipelineEngine(Engine):
         `return_logits`, the last stage's outputs per micro-batch; None on other stages).
         Without `compute_loss`, the outputs alone."""
         was_training = self.module.training
+        zcomm.set_activity("eval_batch", self.global_steps)
         self._idle_trim.busy()
         self._offloaded.require(self, "eval_batch()", [OffloadStateTypeEnum.lp_params])
         self.module.eval()
