@@ -13,6 +13,7 @@ from torch import nn
 import zcomm
 import zengine
 from zcomm.testing import DistributedTest
+from zengine.pipe import LayerSpec, PipelineModule
 
 from ._helpers import TinyGPT, engine_config
 
@@ -64,6 +65,12 @@ class TestAgreementTwoRanks(DistributedTest):
         assert "optimizer.params.lr: expected a number, got the string '1e-2'" in str(caught.value)
         if rank == 0:
             assert "rank 1 could not read the config or the model" in str(caught.value)
+
+        # a pipeline's stages (one rank each) agree on the config as well
+        module = PipelineModule([LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 4)], 2)
+        cfg = engine_config(0, gradient_clipping=1.0 + rank)
+        message = _mismatch(cfg, module)
+        assert "config gradient_clipping: rank 0 has 1.0; rank 1 has 2.0" in message
 
         # and agreeing ranks go on: the process group is as it was
         engine, *_ = zengine.initialize(model=TinyGPT(), config=engine_config(3))

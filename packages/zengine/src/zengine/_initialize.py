@@ -73,6 +73,31 @@ def initialize(
     if config is None:
         config = config_params if config_params is not None else _config_from_args(args)
     zcomm.init_distributed(dist_init_required=dist_init_required)
+    pipeline = isinstance(model, PipelineModule)
+    group: dist.ProcessGroup | None
+    if isinstance(model, PipelineModule):
+        group = model.mpu().get_data_parallel_group()  # the replicas of this rank's stage
+    else:
+        group = mpu.get_data_parallel_group() if mpu is not None else None
+    device = torch.device(zcomm.get_accelerator().current_device_name())
+    try:  # what each rank reads on its own, before any collective
+        raw = read_config(config)
+        # a model without an optimizer (TRL's reference model, an inference engine) may come
+        # with a config the training run has yet to fill: its "auto" values take the defaults
+        # (a pipeline trains: it reads its config as a training one)
+        with_optimizer = pipeline or optimizer is not None or raw.get("optimizer") is not None
+        world_size = dist.get_world_size(group)
+        cfg = load_config(raw, world_size=world_size, with_optimizer=with_optimizer)
+        groups, options = param_groups(model, optimizer, model_parameters)
+        make_optimizer = optimizer_factory(optimizer, cfg)  # its errors come before any change
+        setup = describe_setup(cfg, model, groups, options, optimizer)
+    except Exception as error:  # the other ranks hear of it rather than wait for this one
+        agree(error, group=group, device=device)
+        raise  # agree raised it already; this line is for the type checker
+    # the same config and parameters on every rank (a pipeline's: within each stage's
+    # replicas), before the first collective that depends on them ([Note: agreement at
+    # initialize])
+    agree(setup, group=group, device=device)
     if isinstance(model, PipelineModule):
         return initialize_pipeline(
             model,
@@ -83,24 +108,6 @@ def initialize(
             collate_fn=collate_fn,
             config=config,
         )
-    group = mpu.get_data_parallel_group() if mpu is not None else None
-    device = torch.device(zcomm.get_accelerator().current_device_name())
-    try:  # what each rank reads on its own, before any collective
-        raw = read_config(config)
-        # a model without an optimizer (TRL's reference model, an inference engine) may come
-        # with a config the training run has yet to fill: its "auto" values take the defaults
-        with_optimizer = optimizer is not None or raw.get("optimizer") is not None
-        world_size = dist.get_world_size(group)
-        cfg = load_config(raw, world_size=world_size, with_optimizer=with_optimizer)
-        groups, options = param_groups(model, optimizer, model_parameters)
-        make_optimizer = optimizer_factory(optimizer, cfg)  # its errors come before any change
-        setup = describe_setup(cfg, model, groups, options, optimizer)
-    except Exception as error:  # the other ranks hear of it rather than wait for this one
-        agree(error, group=group, device=device)
-        raise  # agree raised it already; this line is for the type checker
-    # the same config and parameters on every rank, before the first collective that depends
-    # on them ([Note: agreement at initialize])
-    agree(setup, group=group, device=device)
     if make_optimizer is None:
         engine = _without_optimizer(model, lr_scheduler, cfg, group, device)
         return engine, None, training_loader(engine, training_data, collate_fn), None
