@@ -123,6 +123,9 @@ class TestNothingRuns(DistributedTest):
     world_size = 2
 
     def test_a_planted_object_is_refused_by_every_reader(self, tmp_path: Path) -> None:
+        """Each kind of file a checkpoint holds, with a payload planted (a forger's manifest
+        matching it, or not), on every reader: none runs it, each names the file and type or
+        the damage; the offline readers check the CRCs as load_checkpoint does."""
         rank = zcomm.get_rank()
         marker = tmp_path / "ran"
         good = tmp_path / "good"
@@ -144,14 +147,21 @@ class TestNothingRuns(DistributedTest):
                 shutil.copytree(good, tmp_path / case)
                 (tmp_path / case / TAG / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
             _rewrite_manifest(tmp_path / "metadata" / TAG, [".metadata"])
+            shutil.copytree(good, tmp_path / "flipped")  # a byte of a stored tensor damaged
+            shard = tmp_path / "flipped" / TAG / "__0_0.distcp"
+            data = bytearray(shard.read_bytes())
+            data[-len(data) // 3] ^= 0x01
+            shard.write_bytes(bytes(data))
         zcomm.barrier()
         refused = rf"distcp asks for {ASKED}"
-        for case in ("client_state", "rng", "engine", "metadata"):
+        # a refused load raises before anything is applied: one engine of each kind serves
+        trained, forward_only = checkpoint_engine(3), forward_only_engine()
+        for case in ("client_state", "rng", "engine", "metadata", "master"):
             expected = rf"\.metadata asks for {ASKED}" if case == "metadata" else refused
             for load in (
-                lambda path: checkpoint_engine(3).load_checkpoint(path),
-                lambda path: checkpoint_engine(3).load_checkpoint(path, load_module_only=True),
-                lambda path: forward_only_engine().load_checkpoint(path),
+                lambda path: trained.load_checkpoint(path),
+                lambda path: trained.load_checkpoint(path, load_module_only=True),
+                lambda path: forward_only.load_checkpoint(path),
             ):
                 with pytest.raises(UnsafeCheckpointError, match=expected):
                     load(tmp_path / case)
@@ -163,32 +173,33 @@ class TestNothingRuns(DistributedTest):
             status, err = consolidate_cli(tmp_path / case, tmp_path / f"out{rank}.pt")
             assert status == 1
             assert f"{name} asks for {ASKED}" in err, err
-        with pytest.raises(UnsafeCheckpointError, match=refused):
-            checkpoint_engine(3).load_checkpoint(tmp_path / "master")
         # a .metadata the manifest does not match: refused by its CRC, by every reader
         mismatch = tmp_path / "metadata_mismatch"
         damaged = r"\.metadata has \d+ bytes, the manifest says"
         with pytest.raises(CorruptCheckpointError, match=damaged):
-            checkpoint_engine(3).load_checkpoint(mismatch)
+            trained.load_checkpoint(mismatch)
         with pytest.raises(CorruptCheckpointError, match=damaged):
             get_fp32_state_dict_from_zero_checkpoint(mismatch)
         status, err = consolidate_cli(mismatch, tmp_path / f"out{rank}.pt")
         assert status == 1
         assert re.search(damaged, err), err
-        if rank == 0:  # the zero_to_fp32.py save_checkpoint wrote into the folder
-            for case, expected in (
-                ("metadata", rf"\.metadata asks for {ASKED}"),
-                ("metadata_mismatch", damaged),
-            ):
-                run = subprocess.run(
-                    [sys.executable, "zero_to_fp32.py", ".", str(tmp_path / "script")],
-                    cwd=tmp_path / case,
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                assert run.returncode == 1, run.stderr
-                assert re.search(expected, run.stderr), run.stderr
+        flipped = r"__0_0\.distcp is corrupt: CRC32"
+        with pytest.raises(CorruptCheckpointError, match=flipped):
+            get_fp32_state_dict_from_zero_checkpoint(tmp_path / "flipped")
+        status, err = consolidate_cli(tmp_path / "flipped", tmp_path / f"out{rank}.pt")
+        assert status == 1
+        assert re.search(flipped, err), err
+        if rank == 0:  # the zero_to_fp32.py save_checkpoint wrote into the folder (it runs
+            # the CLI's code: one run, seconds of Python starting)
+            run = subprocess.run(
+                [sys.executable, "zero_to_fp32.py", ".", str(tmp_path / "script")],
+                cwd=tmp_path / "metadata",
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert run.returncode == 1, run.stderr
+            assert re.search(rf"\.metadata asks for {ASKED}", run.stderr), run.stderr
         assert not marker.exists()
         zcomm.barrier()  # every rank's readers done before the files go
 
