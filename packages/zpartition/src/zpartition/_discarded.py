@@ -81,7 +81,14 @@ class DiscardedChangeError(ZeroParamError):
 
 
 def _name(p: ZeroParameter) -> str:
-    return getattr(p, "ds_name", None) or f"ds_id {p.ds_id}"
+    """The parameter's name in its model (`partition` names them), else its id, its module's
+    type and its shape (`Init` alone knows no names)."""
+    name: str | None = getattr(p, "ds_name", None)
+    if name:
+        return name
+    unit = getattr(p, "ds_unit", None)
+    owner = f"{unit.name} " if unit is not None else ""
+    return f"ds_id {p.ds_id} ({owner}{tuple(p.ds_shape)})"
 
 
 def _checksum(ids: Sequence[int]) -> int:
