@@ -61,6 +61,12 @@ def initialize(
     path with DeepSpeed's keys. `optimizer` may be None (the config's), a torch optimizer, or a
     callable taking parameter groups; `lr_scheduler` None (the config's), a scheduler, or a
     callable taking the optimizer.
+
+    Raises:
+        ConfigError: the config is invalid (every problem, each naming its key).
+        RankMismatchError: on every rank, when the ranks' effective configs or parameter
+            layouts differ, or another rank could not read its config ([Note: agreement at
+            initialize]).
     """
     if model is None:
         hint = ""
