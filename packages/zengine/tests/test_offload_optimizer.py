@@ -188,7 +188,7 @@ class TestOffloadParam(DistributedTest):
             assert away
             assert all(u.shard.untyped_storage().nbytes() == 0 for u in away)
             # one checked zoffload file per shard, each holding exactly that shard's bytes
-            files = [zoffload.check_file(f) for f in folder.glob("zengine-params-*/*")]
+            files = [zoffload.check_file(f) for f in folder.glob("zengine-params-*/*.swap")]
             assert sorted(e.nbytes for f in files for e in f.storages) == sorted(
                 u.shard.numel() * u.shard.element_size() for u in away
             )

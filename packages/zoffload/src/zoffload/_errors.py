@@ -66,7 +66,8 @@ class NvmeError(OffloadError):
         if message is None:
             message = f"NVMe offload to {self.path}: {problem}"
             if needed is not None:
-                message += f" ({amount(needed)} to write, {amount(free)} free)"
+                message += f" ({amount(needed)} to write"
+                message += ")" if free is None else f", {amount(free)} free)"
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:  # picklable with its keyword arguments

@@ -91,13 +91,15 @@ def check_folder(path: str | os.PathLike[str], needed: int = 0) -> Path:
 
 
 def nvme_error(path: Path, error: OSError, *, needed: int | None = None) -> NvmeError:
-    """The named error for an `OSError` of a write under ``path``: a full disk (or a file size
-    limit) becomes `NvmeSpaceError` with the space left."""
+    """The named error for an `OSError` of a write under ``path``: a full disk (or quota)
+    becomes `NvmeSpaceError` with the space left."""
     reason = error.strerror or str(error)
     code = error.errno
-    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if code in (errno.ENOSPC, errno.EDQUOT):
         problem = f"out of space while writing ({reason})"
         return NvmeSpaceError(path, problem, needed=needed, free=free_bytes(path))
+    if code == errno.EFBIG:  # a file size limit (ulimit -f, the filesystem's), not the disk
+        return NvmeError(path, f"the file may not grow that large ({reason})", needed=needed)
     if code == errno.EROFS:
         return NvmeError(path, "the filesystem is read-only")
     if code in (errno.EACCES, errno.EPERM):

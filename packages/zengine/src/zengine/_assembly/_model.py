@@ -7,7 +7,6 @@ puts them.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -15,13 +14,21 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
+import zoffload
 import zpartition
 from zengine._assembly._leaf_config import mark_configured_leaves
 from zengine._config import EngineConfig
-from zengine._offload import NvmeShardStore, NvmeStateSwapper, nvme_offloader
+from zengine._offload import (
+    NvmeShardStore,
+    NvmeStateSwapper,
+    agree_on_folders,
+    agree_on_outcome,
+    nvme_offloader,
+)
 from zengine._optim import ShardedLayout, ZeroOptimizer
 
 __all__ = [
+    "check_nvme_paths",
     "offload_masters",
     "partition_model",
     "prepare_dense",
@@ -36,10 +43,30 @@ def zpartition_params(model: nn.Module) -> list[zpartition.ZeroParameter]:
     return cast("list[zpartition.ZeroParameter]", list(model.parameters()))
 
 
+def check_nvme_paths(model: nn.Module, cfg: EngineConfig) -> None:
+    """Before the model is touched: the ``nvme_path`` of ``offload_param`` and
+    ``offload_optimizer`` there (made if missing), a writable directory, with room for what is
+    known now (the shards, the fp32 masters; the optimizer state comes at the first step and
+    is checked as it is written), agreed across every rank ([Note: NVMe faults agreed])."""
+    zero = cfg.zero_optimization
+    numel = sum(p.ds_numel if zpartition.is_zero_param(p) else p.numel()
+                for p in zpartition_params(model))  # fmt: skip
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank = -(-numel // world)
+    needs = []
+    if zero.offload_param.device == "nvme" and zero.offload_param.nvme_path is not None:
+        needs.append((zero.offload_param.nvme_path, per_rank * cfg.dtype.itemsize))
+    if zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.nvme_path is not None:
+        needs.append((zero.offload_optimizer.nvme_path, per_rank * 4))
+    if needs:
+        agree_on_folders(needs, None, "initialize")
+
+
 def prepare_dense(
     model: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None, device: torch.device
 ) -> None:
     """Stages 0-2: the model on the device, in the compute dtype, equal on every rank."""
+    check_nvme_paths(model, cfg)
     model.to(device)
     if cfg.dtype != torch.float32:
         model.to(cfg.dtype)
@@ -68,15 +95,21 @@ def swap_to_nvme(zero: ZeroOptimizer, cfg: EngineConfig) -> None:
     if settings.device != "nvme":
         return
     assert settings.nvme_path is not None  # the config requires it with nvme
-    folder = Path(settings.nvme_path) / f"zengine-optimizer-rank{zcomm.get_rank()}"
+    what = "offload_optimizer to NVMe"
+    tiles = zero.tile_tensors()
+    masters = sum(t.untyped_storage().nbytes() for tile in tiles for t in tile)
+    agree_on_folders([(settings.nvme_path, masters)], None, what)
+    # this process's, marked ([Note: swap folders] in zoffload): a killed job's go at the next
+    folder = zoffload.claim_folder(settings.nvme_path, f"zengine-optimizer-rank{zcomm.get_rank()}")
     zero.swapper = NvmeStateSwapper(
         zero.optimizer,
         folder,
         pin_memory=settings.pin_memory,
         offloader=nvme_offloader(cfg.aio),
-        tiles=zero.tile_tensors(),
+        tiles=tiles,
     )
     zero.swap_out_states()
+    agree_on_outcome(zero.swapper.take_failure(), None, what)  # the first writes, agreed
 
 
 def partition_model(
@@ -91,6 +124,7 @@ def partition_model(
     left in its own dtype, as at stages 0-2), then hook the model; `reduce_scale`: the
     factors of DeepSpeed's reduction options (None: the mean); `replicate_group`: hybrid
     sharding's, `group` then being the shard group."""
+    check_nvme_paths(model, cfg)  # before anything is partitioned
     mark_configured_leaves(model, cfg.zero_optimization.leaf_module)  # before the units form
     cast = cfg.dtype if cfg.dtype != torch.float32 else None
     for p in zpartition_params(model):
@@ -176,6 +210,8 @@ def shards_to_nvme(
     if settings.device != "nvme":
         return
     assert settings.nvme_path is not None  # the config requires it with nvme
+    shards = sum(u.shard.untyped_storage().nbytes() for u in handle.units if not u.persistent)
+    agree_on_folders([(settings.nvme_path, shards)], None, "offload_param to NVMe")
     store = NvmeShardStore(
         settings.nvme_path,
         zcomm.get_rank(),

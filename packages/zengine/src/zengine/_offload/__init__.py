@@ -7,6 +7,7 @@ section sets (_aio.py), and freed host memory handed back to the system (_host_m
 bytes move through zoffload; the tensors moved are the optimizer's and the model's.
 """
 
+from zengine._offload._agree import agree_on_folders, agree_on_outcome, agree_on_swaps
 from zengine._offload._aio import nvme_offloader
 from zengine._offload._host_memory import IdleTrimmer, trim_heap, zero_releasing_pages
 from zengine._offload._optimizer import NvmeStateSwapper
@@ -18,6 +19,9 @@ __all__ = [
     "NvmeShardStore",
     "NvmeStateSwapper",
     "StateOffloader",
+    "agree_on_folders",
+    "agree_on_outcome",
+    "agree_on_swaps",
     "get_state_devices",
     "memory_held",
     "nvme_offloader",

@@ -11,11 +11,14 @@ torch optimizer, the ``safe_get_*`` functions and checkpoints see the same state
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 import zoffload
+
+log = logging.getLogger("zengine")
 
 __all__ = ["NvmeStateSwapper"]
 
@@ -41,7 +44,9 @@ class NvmeStateSwapper:
         self.tiles = tiles or [every]  # the stepped tensors, tile by tile
         # per tile, what is out (or coming back); None: in memory
         self._handles: list[zoffload.OffloadHandle | None] = [None] * len(self.tiles)
-        path.mkdir(parents=True, exist_ok=True)
+        # the first write that failed since the ranks last agreed ([Note: NVMe faults agreed]);
+        # its tile stayed in memory, bit-exact
+        self._failure: zoffload.OffloadError | None = None
 
     def _tensors(self, k: int) -> dict[str, torch.Tensor]:
         """Tile `k`'s masters and their state, by name (0-d state such as Adam's ``step``
@@ -64,19 +69,50 @@ class NvmeStateSwapper:
         freed once written."""
         for i in range(len(self.tiles)) if k is None else [k]:
             if self._handles[i] is None:
-                self._handles[i] = self.offloader.offload(
-                    self._tensors(i),
-                    zoffload.OffloadDeviceEnum.nvme,
-                    pin_memory=self.pin_memory,
-                    non_blocking=True,
-                    nvme_path=self.path,
-                )
+                try:
+                    self._handles[i] = self.offloader.offload(
+                        self._tensors(i),
+                        zoffload.OffloadDeviceEnum.nvme,
+                        pin_memory=self.pin_memory,
+                        non_blocking=True,
+                        nvme_path=self.path,
+                    )
+                except zoffload.OffloadError as error:
+                    self._failed(error)
+
+    def _failed(self, error: zoffload.OffloadError) -> None:
+        """A write failed: its tile stays in memory (nothing was freed); the ranks raise it
+        together at the next step (`take_failure`), not this rank alone mid-step."""
+        if self._failure is None:
+            log.warning("zengine: offload_optimizer to NVMe: %s; kept in memory", error)
+            self._failure = error
+
+    def _settle(self, k: int) -> None:
+        """Wait for tile `k`'s write if one is in flight, noting a failure."""
+        handle = self._handles[k]
+        if handle is not None and handle.state == "offloading":
+            try:
+                handle.wait()
+            except zoffload.OffloadError as error:
+                self._handles[k] = None  # its bytes never left
+                self._failed(error)
+
+    def take_failure(self) -> zoffload.OffloadError | None:
+        """The write failure noted since the last call (writes still in flight are waited
+        for first), and forget it."""
+        for k in range(len(self._handles)):
+            self._settle(k)
+        failure, self._failure = self._failure, None
+        return failure
 
     def prefetch(self, k: int = 0) -> None:
         """Start reading tile `k` back (a no-op when it is in memory or on its way, or when
         there is no such tile)."""
-        handle = self._handles[k] if k < len(self._handles) else None
-        if handle is not None and handle.state in ("offloading", "offloaded"):
+        if k >= len(self._handles):
+            return
+        self._settle(k)
+        handle = self._handles[k]
+        if handle is not None and handle.state == "offloaded":
             handle.reload(non_blocking=True)
 
     def swap_in(self, k: int | None = None) -> None:
@@ -92,12 +128,12 @@ class NvmeStateSwapper:
 
     def written(self, k: int) -> None:
         """Wait until tile `k`'s write is done and its memory freed (no-op for k < 0)."""
-        handle = self._handles[k] if 0 <= k < len(self._handles) else None
-        if handle is not None and handle.state == "offloading":
-            handle.wait()
+        if 0 <= k < len(self._handles):
+            self._settle(k)
 
     def wait(self) -> None:
         """Wait for the transfers in flight (a write after the step: its memory is free)."""
-        for handle in self._handles:
-            if handle is not None:
+        for k, handle in enumerate(self._handles):
+            self._settle(k)
+            if handle is not None and self._handles[k] is not None:
                 handle.wait()

@@ -25,16 +25,16 @@ shard's next release, never correctness: every fetch waits for its own shards.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import shutil
-import tempfile
 import weakref
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 import zoffload
+
+log = logging.getLogger("zengine")
 
 __all__ = ["NvmeShardStore"]
 
@@ -49,8 +49,9 @@ class NvmeShardStore:
         offloader: zoffload.Offloader | None = None,
         read_ahead: int = 0,
     ) -> None:
-        Path(nvme_path).mkdir(parents=True, exist_ok=True)
-        self.folder = Path(tempfile.mkdtemp(prefix=f"zengine-params-rank{rank}-", dir=nvme_path))
+        # marked as this process's ([Note: swap folders] in zoffload): a killed job's are
+        # removed by the next one that uses the path
+        self.folder = zoffload.claim_folder(nvme_path, f"zengine-params-rank{rank}")
         self.offloader = offloader or zoffload.default_offloader()  # the config's `aio`, if any
         # id(shard) -> its handle and the shard's version its file holds (the handle keeps the
         # shard alive, so the id is not reused)
@@ -59,11 +60,12 @@ class NvmeShardStore:
         # While True, evicted shards stay in memory (the engine sets it for the backward just
         # before an optimizer step, which needs them all); the protocol allows it.
         self.holding = False
+        self._failure: zoffload.OffloadError | None = None  # a write that failed, not agreed
         self._context: tuple[int, int] = (0, 0)  # the last two shards fetched (ids)
         self._after_two: dict[tuple[int, int], int] = {}  # context -> the shard fetched next
         self._after_one: dict[int, int] = {}  # the last shard -> the shard fetched next
         # the files go when the store does, or at exit, whichever comes first
-        self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self._remove = weakref.finalize(self, zoffload.release_folder, self.folder)
 
     def evict(self, shard: torch.Tensor) -> None:
         if shard.untyped_storage().nbytes() == 0 or self.holding:
@@ -73,12 +75,26 @@ class NvmeShardStore:
         # Written before it returns: in the background, the first shards of the next forward
         # would wait for their write and then read it back (measured: slower).
         held = self._held.get(id(shard))
-        if held is None:
-            handle = self.offloader.offload({"shard": shard}, "nvme", nvme_path=self.folder)
-        else:
-            handle, written = held
-            handle.offload(rewrite=shard._version != written)
+        try:
+            if held is None:
+                handle = self.offloader.offload({"shard": shard}, "nvme", nvme_path=self.folder)
+            else:
+                handle, written = held
+                handle.offload(rewrite=shard._version != written)
+        except zoffload.OffloadError as error:
+            # the shard stays in memory, bit-exact (a failed write frees nothing; the protocol
+            # allows keeping it); the ranks raise it together at the next step
+            if self._failure is None:
+                log.warning("zengine: offload_param to NVMe: %s; kept in memory", error)
+                self._failure = error
+            return
         self._held[id(shard)] = (handle, shard._version)
+
+    def take_failure(self) -> zoffload.OffloadError | None:
+        """The write failure noted since the last call, and forget it ([Note: NVMe faults
+        agreed])."""
+        failure, self._failure = self._failure, None
+        return failure
 
     def fetch(self, shards: Sequence[torch.Tensor]) -> None:
         coming = [h for h in map(self._reload, shards) if h is not None]  # read side by side

@@ -47,6 +47,7 @@ import torch
 
 import zoffload
 from zengine._errors import UsageError
+from zengine._offload._agree import agree_on_folders, agree_on_outcome
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum
 
 if TYPE_CHECKING:
@@ -173,6 +174,22 @@ def _resident(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[str, int]]:
     return found
 
 
+def _first(tensor: torch.Tensor, seen: set[int]) -> bool:
+    """Whether `tensor`'s storage is not among `seen` (and note it)."""
+    key = tensor.untyped_storage()._cdata
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
+def _file_nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    """About the bytes an offload file of `tensors` takes: their distinct storages and a
+    header (aligned, about a hundred bytes a tensor), a little above the real size."""
+    data = sum(n for _, n in _resident(tensors.values()).values())
+    return data + 4096 * (2 + len(tensors) // 32)
+
+
 class StateOffloader:
     """The offloaded states of one engine, by type."""
 
@@ -202,6 +219,8 @@ class StateOffloader:
         self.settle()  # a reload still under way finishes first
         if engine.partitioned is not None:
             engine.partitioned.coordinator.release_all()  # nothing gathered stays behind
+        moves: dict[OffloadStateTypeEnum, tuple[OffloadDeviceEnum, dict[str, torch.Tensor]]] = {}
+        claimed: set[int] = set()  # storages two states share move once
         for state in chosen:
             if state in self.handles:
                 continue  # already offloaded
@@ -213,18 +232,59 @@ class StateOffloader:
                 if zoffload.handle_of(t) is None  # shared with a state offloaded already
                 # to the host what lives there already: nothing to move (DeepSpeed's .to())
                 and not (target is OffloadDeviceEnum.cpu and t.device.type == "cpu")
+                and _first(t, claimed)
             }
-            if not tensors:
-                continue
-            self.handles[state] = self.offloader.offload(
-                tensors,
-                target,
-                pin_memory=pin_memory,
-                non_blocking=non_blocking,
-                nvme_path=nvme_path,
-            )
+            if tensors:
+                moves[state] = (target, tensors)
+        if device is OffloadDeviceEnum.nvme:
+            assert nvme_path is not None
+            self._to_nvme(engine, moves, nvme_path, pin_memory=pin_memory)
+        for state, (target, tensors) in moves.items():
+            if state not in self.handles:
+                self.handles[state] = self.offloader.offload(
+                    tensors,
+                    target,
+                    pin_memory=pin_memory,
+                    non_blocking=non_blocking,
+                    nvme_path=nvme_path,
+                )
         if not non_blocking:
             self._give_back()  # the staging buffers of NVMe writes are not kept
+
+    def _to_nvme(
+        self,
+        engine: Engine,
+        moves: dict[OffloadStateTypeEnum, tuple[OffloadDeviceEnum, dict[str, torch.Tensor]]],
+        nvme_path: str | os.PathLike[str],
+        *,
+        pin_memory: bool,
+    ) -> None:
+        """The states bound for NVMe, moved on every rank or on none ([Note: NVMe faults
+        agreed]): the folder and its space checked and agreed first, the files written with
+        the bytes kept, the writes agreed, and only then the tensors emptied. Waits for the
+        writes (``non_blocking`` or not): the ranks agree on them before any memory goes."""
+        what = "offload_states(device='nvme')"
+        files = {s: m for s, m in moves.items() if m[0] is OffloadDeviceEnum.nvme}
+        needed = sum(_file_nbytes(tensors) for _, tensors in files.values())
+        agree_on_folders([(nvme_path, needed)], engine.group, what)
+        written: dict[OffloadStateTypeEnum, zoffload.OffloadHandle] = {}
+        error: BaseException | None = None
+        try:
+            for state, (_, tensors) in files.items():
+                written[state] = self.offloader.offload(
+                    tensors, "nvme", pin_memory=pin_memory, nvme_path=nvme_path, commit=False
+                )
+        except zoffload.OffloadError as failed:  # an OSError comes named (NvmeError)
+            error = failed
+        try:
+            agree_on_outcome(error, engine.group, what)
+        except zoffload.NvmeError:
+            for handle in written.values():
+                handle.abandon()  # the files go; the bytes never left
+            self._give_back()
+            raise
+        for state, handle in written.items():
+            self.handles[state] = handle.commit()
 
     def reload(self, *, non_blocking: bool) -> None:
         handles, self.handles = self.handles, {}

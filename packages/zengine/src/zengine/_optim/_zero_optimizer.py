@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._offload import NvmeStateSwapper, zero_releasing_pages
+from zengine._offload import NvmeStateSwapper, agree_on_swaps, zero_releasing_pages
 from zengine._optim._deepspeed_views import DeepSpeedViews
 from zengine._optim._layouts import ShardedLayout
 from zengine._optim._loss_scaler import LossScalerBase
@@ -222,6 +222,8 @@ class ZeroOptimizer(DeepSpeedViews):
 
     def step(self) -> bool:
         """Step the masters and write them back; False when an overflow skipped the step."""
+        # a swap file that failed on any rank raises here on every rank, the state intact
+        agree_on_swaps([self.swapper, getattr(self.layout, "shard_store", None)], self.group)
         grads = self.partitions.grad_partitions_flat_buffer
         scale = self.cur_scale
         norm_sq, overflow = self._norm_and_overflow(grads)
