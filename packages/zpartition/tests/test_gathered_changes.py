@@ -114,6 +114,14 @@ class TestChangesWithoutModifier(DistributedTest):
             if zcomm.get_rank() == last:
                 model.l1.weight.data.fill_(3.0)
         assert torch.equal(_values(model)["l1.weight"], torch.full((HIDDEN, HIDDEN), 3.0))
+        # ...also inside a read of the same parameters: what reached the shards is no error
+        with (
+            GatheredParameters(model.parameters()),
+            GatheredParameters(model.l2.weight, modifier_rank=0),
+            torch.no_grad(),
+        ):
+            model.l2.weight.fill_(4.0)
+        assert torch.equal(_values(model)["l2.weight"], torch.full((HIDDEN, HIDDEN), 4.0))
         assert model(x).shape == (3, HIDDEN)
 
     @pytest.mark.parametrize("world_size", [2])

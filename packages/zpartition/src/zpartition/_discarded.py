@@ -23,13 +23,14 @@ What is looked at, at the end of the block, on each rank (nothing is copied at e
   every rank alike is therefore always seen (some rank owns each element), one made on one rank
   only outside that rank's chunk is not, nor is one that writes the values already there.
 
-Not looked at: units whose shard is kept as int8 codes ([Note: quantized frozen weights]: the
-full buffer holds dequantized values) or sits on another device than the full buffer
-(offloaded parameters: a comparison there would copy the chunk across), units whose shards
-changed inside the block (an optimizer step: the shards are newer than the gathered copy),
-and units no longer gathered at the end. For those only the counter and ``p.data`` checks
-hold. With one rank the block keeps a copy of the shard anyway (the shard *is* the full
-data), so the comparison is against that copy: exact, whatever was written.
+Not judged at all: units whose shards were written inside the block (a nested block with
+``modifier_rank``, an optimizer step, ``ds_tensor.copy_``: those writes are kept), and units
+no longer gathered at the end. Not compared byte for byte: units whose shard is kept as int8
+codes ([Note: quantized frozen weights]: the full buffer holds dequantized values) or sits on
+another device than the full buffer (offloaded parameters: a comparison there would copy the
+chunk across); for those only the counter and ``p.data`` checks hold. With one rank the
+block keeps a copy of the shard anyway (the shard *is* the full data), so the comparison is
+against that copy: exact, whatever was written.
 
 Agreement: one all-gather of an agreement header's size ([Note: agreement]) per block, after
 every block without ``modifier_rank``: a mark, how many parameters this rank saw changed, a
@@ -152,10 +153,18 @@ class Snapshot:
     def changed_here(self) -> list[int]:
         """Positions in `params` of the parameters this rank sees changed."""
         differs = self._content_differs()
+        # shards written inside the block (a nested block with a modifier, an optimizer
+        # step, ``ds_tensor.copy_``): those writes are kept, so their units are not judged
+        written = {
+            id(q)
+            for u in self.units
+            if u.shard._version != self.shard_versions[u.uid]
+            for q in u.params
+        }
         out = []
         for i, (p, seen) in enumerate(zip(self.params, self.seen, strict=True)):
-            if p.ds_status is not ZeroParamStatus.AVAILABLE:
-                continue  # released inside the block (``p.partition()``): nothing to compare
+            if p.ds_status is not ZeroParamStatus.AVAILABLE or id(p) in written:
+                continue  # released inside the block (``p.partition()``), or written: above
             if (
                 p._version != seen.version
                 or p.data_ptr() != seen.ptr
@@ -175,7 +184,7 @@ class Snapshot:
             if (
                 u.status is not ZeroParamStatus.AVAILABLE
                 or u.codes is not None
-                or u.shard._version != self.shard_versions[u.uid]
+                or u.shard._version != self.shard_versions[u.uid]  # not judged: changed_here
             ):
                 continue
             saved = self.saved.get(id(u.shard))

@@ -54,7 +54,8 @@ class GatheredParameters:
         self.fwd_module = fwd_module
         self._user = next_module_id()  # holds the units for this block only
         # With one rank the full data *is* the shard, so edits must be undone by hand.
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (A write to the shard itself, a nested block's with a modifier, is kept.)
+        self._saved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._snapshot: Snapshot | None = None  # without modifier_rank: what to check at exit
 
     def __enter__(self) -> None:
@@ -62,8 +63,10 @@ class GatheredParameters:
             return
         units = gather_now(self.params, self._user)
         if self.modifier_rank is None:
-            self._saved = [(u.shard, u.shard.clone()) for u in units if u.full is u.shard]
-            self._snapshot = Snapshot(self.params, units, [s for _, s in self._saved])
+            self._saved = [
+                (u.shard, u.shard.clone(), u.shard._version) for u in units if u.full is u.shard
+            ]
+            self._snapshot = Snapshot(self.params, units, [s for _, s, _ in self._saved])
         if self.fwd_module is not None:
             for p in self.params:
                 register_external_parameter(self.fwd_module, p)
@@ -85,8 +88,9 @@ class GatheredParameters:
             if snapshot is not None and not (exc_type and issubclass(exc_type, ZeroParamError)):
                 found = self._check(snapshot, quiet=exc_type is not None)
         finally:
-            for shard, saved in self._saved:
-                shard.copy_(saved)
+            for shard, saved, version in self._saved:
+                if shard._version == version:
+                    shard.copy_(saved)
             self._saved = []
             if found:  # persistent units stay gathered: the next refresh gathers them again
                 for u in snapshot.units if snapshot is not None else []:
