@@ -30,6 +30,7 @@ class TestWatchdog(DistributedTest):
             self._ranks_out_of_step_are_named(rank)
         finally:
             zcomm.set_watchdog(before)
+            zcomm.set_activity(zcomm.CALLS[0], 0)
 
     def _long_work_is_waited_for(self, rank: int) -> None:
         zcomm.set_activity("forward", 1)

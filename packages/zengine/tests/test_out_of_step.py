@@ -34,6 +34,7 @@ class TestOutOfStep(DistributedTest):
         rank = zcomm.get_rank()
         with pytest.raises(ZeroParamError) as info:
             engine.step() if rank == 0 else engine(tokens)  # rank 0 steps once too often
+        zcomm.set_activity(zcomm.CALLS[0], 0)  # the ranks' calls differ: not for the next test
         message = str(info.value)
         assert "ranks are out of step" in message
         assert f"rank 0{' (this rank)' if rank == 0 else ''}: in step, step 1: step" in message
@@ -50,7 +51,8 @@ class TestOutOfStep(DistributedTest):
         rank = zcomm.get_rank()
         with pytest.raises(ZeroParamError) as info:
             engine.backward(loss) if rank == 0 else engine.step()  # rank 1 skips its backward
+        zcomm.set_activity(zcomm.CALLS[0], 0)
         message = str(info.value)
         assert "ranks are out of step" in message
-        assert "rank 0" in message and ": in backward, step 1: " in message
-        assert "rank 1" in message and ": in step, step 1: step" in message
+        assert f"rank 0{' (this rank)' if rank == 0 else ''}: in backward, step 1: " in message
+        assert f"rank 1{' (this rank)' if rank == 1 else ''}: in step, step 1: step" in message

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 HIDDEN, VOCAB, SEQ = 16, 32, 6
-HEADER = 64  # bytes of one rank's agreement header ([Note: agreement])
+HEADER = 80  # bytes of one rank's agreement header, 10 int64 words ([Note: agreement])
 # TinyGPT's units gathered again for every use: a unit per module (named by its module), the
 # norms and the bias persistent (gathered exactly), every other unit released after each use
 # so the backward gathers it again, and a prefetch bucket of two units at most (batched gathers)

@@ -82,15 +82,15 @@ class Handle:
         work, self._work = self._work, None
         if work is not None:
             try:
-                if timeout is not None:
+                if not self._sliced:
+                    work.wait() if timeout is None else work.wait(timeout)
+                elif timeout is not None and timeout <= SLICE:
                     work.wait(timeout)
-                elif not self._sliced:
-                    work.wait()
                 else:
                     try:
                         work.wait(SLICE)
                     except RuntimeError:
-                        wait_slowly(work, self._op, self._group)
+                        wait_slowly(work, self._op, self._group, timeout)
             except CommError:
                 self._done = True
                 raise  # a staged collective's own handle said it ([Note: host tensors on NCCL])

@@ -43,7 +43,6 @@ def isend(
         async_op=True,
         nbytes=_nbytes(tensor),
         peer=dst,
-        sliced=tensor.is_cpu,
     )
 
 
@@ -59,7 +58,6 @@ def irecv(
         async_op=True,
         nbytes=_nbytes(tensor),
         peer=src,
-        sliced=tensor.is_cpu,
     )
 
 
@@ -130,8 +128,6 @@ def batch_isend_irecv(ops: Sequence[P2POp | dist.P2POp]) -> list[Handle]:
         raise comm_error("batch_isend_irecv", group, error) from error
     handles = []
     for (c, kind), work in zip(converted, works, strict=True):
-        handle = Handle(
-            kind, c.group, work, nbytes=_nbytes(c.tensor), peer=c.peer, sliced=c.tensor.is_cpu
-        )
+        handle = Handle(kind, c.group, work, nbytes=_nbytes(c.tensor), peer=c.peer)
         handles.append(handle)
     return handles

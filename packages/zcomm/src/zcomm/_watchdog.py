@@ -28,7 +28,10 @@ the other ranks' heartbeats. The main thread, between slices, then decides:
 The bound is 30 s by default (a frozen rank is named within about 35 s); ``ZCOMM_WATCHDOG``
 (seconds), ``init_distributed(watchdog=...)`` or `set_watchdog` change it, and 0 turns the
 checks off (the slices and progress lines remain). Device (NCCL) collectives are left as they
-are: they wait on the device, not here.
+are: they wait on the device, not here. Point-to-point operations are not sliced either: on
+gloo a timed wait on a receive fails it and closes the connection ("Application timeout caused
+pair closure"), and its work never reports completion unless waited on (measured, torch 2.13);
+a pipeline's waits are bounded by its own ``pipeline.p2p_timeout`` instead.
 """
 
 from __future__ import annotations
@@ -366,10 +369,17 @@ def _check(watchdog: _Watchdog, op: str, group: dist.ProcessGroup | None, since:
         log.warning("zcomm: %s; %s", _mine(op, group, waited), "; ".join(lines))
 
 
-def wait_slowly(work: dist.Work, op: str, group: dist.ProcessGroup | None) -> None:
+def wait_slowly(
+    work: dist.Work,
+    op: str,
+    group: dist.ProcessGroup | None,
+    timeout: timedelta | None = None,
+) -> None:
     """Wait on `work`, which has not completed within one `SLICE`, in slices, checking the
-    other ranks between them ([Note: the watchdog]); raise `CommError` if it failed."""
+    other ranks between them ([Note: the watchdog]); raise `CommError` if it failed, and
+    `CommTimeoutError` once `timeout` (the caller's, if it gave one) has passed."""
     since = time.monotonic() - SLICE.total_seconds()
+    deadline = None if timeout is None else since + timeout.total_seconds()
     start()  # a world torch started without zcomm: the heartbeat starts now
     watchdog = _watchdog
     if watchdog is not None:
@@ -390,6 +400,8 @@ def wait_slowly(work: dist.Work, op: str, group: dist.ProcessGroup | None) -> No
                     return
                 if "timed out" not in str(error).lower():
                     raise comm_error(op, group, error) from error
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise comm_error(op, group, error) from error  # the caller's timeout
             if watchdog is not None:
                 _check(watchdog, op, group, since)
     finally:

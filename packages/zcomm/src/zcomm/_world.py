@@ -330,6 +330,7 @@ def group_size(caller: str, group: dist.ProcessGroup | None) -> int:
 def destroy() -> None:
     """Tear down every process group and zcomm's caches of them; harmless when not started."""
     _watchdog.stop()
+    _watchdog.set_activity(_watchdog.CALLS[0], 0)  # the next world starts with no engine call
     for hook in _destroy_hooks:
         hook()
     if is_initialized():

@@ -70,6 +70,7 @@ class Engine(nn.Module):
         self.device = device
         self.partitioned = partitioned  # zpartition's handle at stage 3, else None
         self.global_steps = 0  # optimizer steps taken (or skipped on overflow)
+        zcomm.set_activity(zcomm.CALLS[0], 0)  # a new engine: no call of an older one counts
         self.global_samples = 0
         self.micro_steps = 0  # backward passes taken
         # DeepSpeed's: modules whose gradients are reduced sparse. None here: the config

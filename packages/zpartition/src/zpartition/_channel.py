@@ -125,7 +125,8 @@ class Channel:
             raise ZeroParamError(self._disagreement(rows))
 
     def _disagreement(self, rows: list[list[int]]) -> str:
-        if any(row[3:_IDS] != rows[0][3:_IDS] for row in rows):
+        ours = all(row[0] in set(Kind) for row in rows)  # else a header of another layout
+        if ours and any(row[3:_IDS] != rows[0][3:_IDS] for row in rows):
             lines = [
                 "ranks are out of step: they are in different engine calls or steps (every rank "
                 "must make the same engine calls, forward, backward, step, in the same order):"
@@ -143,10 +144,14 @@ class Channel:
             kind = Kind(row[0]).name.lower().replace("_", " ") if row[0] in set(Kind) else "?"
             shown = [self.describe(i) for i in row[_IDS : _IDS + min(row[1], _SHOWN)]]
             more = f" and {row[1] - _SHOWN} more" if row[1] > _SHOWN else ""
-            what = "; ".join(shown) + more if shown else "nothing"
+            bare = row[0] in (Kind.STEP, Kind.END_BACKWARD)  # kinds that name no units
+            what = "; ".join(shown) + more if shown else "" if bare else "nothing"
             if row[1] > 1:
                 what = f"{row[1]} units: {what}"
             mark = " (this rank)" if r == self.rank else ""
-            call = zcomm.CALLS[row[3]] if 0 <= row[3] < len(zcomm.CALLS) else "?"
-            lines.append(f"  rank {who}{mark}: in {call}, step {row[4]}: {kind} {what}")
+            if row[0] in set(Kind) and 0 <= row[3] < len(zcomm.CALLS):
+                where = f"in {zcomm.CALLS[row[3]]}, step {row[4]}: "
+            else:
+                where = ""  # not a channel's header: it carries no call or step
+            lines.append(f"  rank {who}{mark}: {where}{kind} {what}".rstrip())
         return "\n".join(lines)

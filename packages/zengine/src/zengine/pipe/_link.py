@@ -251,6 +251,8 @@ class Link:
     def _wait(self, handle: zcomm.Handle, where: str, what: str) -> None:
         try:
             handle.wait(self.timeout)
+        except (zcomm.RankUnresponsiveError, zcomm.RanksOutOfStepError):
+            raise  # the watchdog named the rank that stopped answering: said as it is
         except zcomm.CommError as error:
             raise PipelineError(
                 f"stage {self.stage}, {where}: {what} within {self.timeout.total_seconds():g} s "
