@@ -316,7 +316,7 @@ def bench(session: nox.Session) -> None:
     ]
     for name in chosen:
         env = {"PYTHONPATH": str(compat)} if name in ("load", "trainer") else {}
-        if name == "deepspeed_tests":  # DeepSpeed's tests run twice: with compat first, and not
+        if name in ("deepspeed_tests", "failures"):  # twice each: with compat first, and not
             env = {"ZSTACK_COMPAT": str(compat)}
         session.run("python", str(ROOT / "bench" / f"bench_{name}.py"), env=env)
 
