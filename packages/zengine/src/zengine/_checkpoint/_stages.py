@@ -40,8 +40,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-import torch
-
 import zcomm
 from zengine._checkpoint import _files as files
 from zengine._checkpoint import _stage_reshape as reshape
@@ -69,7 +67,7 @@ from zengine._checkpoint._stage_layout import (
 )
 from zengine._checkpoint._stage_reshape import Sources
 from zengine._checkpoint._state import persistent_buffers
-from zengine._checkpoint._sync import Sync
+from zengine._checkpoint._sync import ERROR_KINDS, Sync
 
 if TYPE_CHECKING:
     from zengine.pipe import PipelineEngine
@@ -86,31 +84,28 @@ def _world(engine: PipelineEngine) -> Sync:
     return Sync(None, engine.config.checkpoint.timeout)
 
 
-def _failed_stages(engine: PipelineEngine, failed: bool) -> list[int]:
-    """Every stage that failed, as every rank sees it (one all-gather over the world)."""
-    # on the engine's device: NCCL gathers only device tensors
-    flags = torch.zeros(zcomm.get_world_size(), dtype=torch.int64, device=engine.device)
-    mine = torch.tensor([engine.stage_id + 1 if failed else 0], device=engine.device)
-    zcomm.all_gather_into_tensor(flags, mine)
-    return sorted({int(f) - 1 for f in flags.tolist() if f})
-
-
 def _on_every_stage(
     engine: PipelineEngine, work: Callable[[], T], elsewhere: Callable[[list[int]], str]
 ) -> T:
-    """`work` on this stage, then every stage learns which failed: a stage's own error is
-    raised there, the others raise a CheckpointError with ``elsewhere(failed stages)``."""
+    """`work` on this stage, then every stage learns which failed and why: a stage's own error
+    is raised there, the others raise ``elsewhere(failed stages)`` followed by each failed
+    stage's error, of the first one's class when that is a checkpoint error (an
+    `UnsafeCheckpointError` names the file and the type on every stage)."""
     error: BaseException | None = None
     result = None
     try:
         result = work()
     except Exception as exc:  # reported to every stage, then raised here
         error = exc
-    failed = _failed_stages(engine, error is not None)
+    said = None if error is None else (engine.stage_id, type(error).__name__, str(error))
+    failed = sorted({s for s in _world(engine).gather(said) if s is not None})
     if error is not None:
         raise error
     if failed:
-        raise CheckpointError(elsewhere(failed))
+        stages = sorted({stage for stage, _, _ in failed})
+        kind = next((k for k in ERROR_KINDS if k.__name__ == failed[0][1]), CheckpointError)
+        detail = "\n  ".join(dict.fromkeys(f"stage {s}: {m}" for s, _, m in failed))
+        raise kind(f"{elsewhere(stages)}:\n  {detail}")
     return cast(T, result)
 
 

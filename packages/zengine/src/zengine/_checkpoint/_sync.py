@@ -30,7 +30,7 @@ from zengine._checkpoint._errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["Sync"]
+__all__ = ["ERROR_KINDS", "Sync"]
 
 
 class Sync:
@@ -151,11 +151,11 @@ class Sync:
         else:
             detail = "\n  ".join(f"rank {r}: {message}" for r, (_, message) in failed)
         first = failed[0][1][0]
-        chosen = next((c for c in _KINDS if c.__name__ == first), kind)
+        chosen = next((c for c in ERROR_KINDS if c.__name__ == first), kind)
         raise chosen(f"{what} failed on rank {ranks}:\n  {detail}")
 
 
-_KINDS = (
+ERROR_KINDS = (
     CheckpointError,
     CheckpointMismatchError,
     ClientStateError,
