@@ -74,5 +74,8 @@ class TestWatchdog(DistributedTest):
         mine, theirs = ("step", "forward") if rank == 0 else ("forward", "step")
         assert f"this rank ({rank}) is in {mine}, step 3, waiting" in message
         assert f"rank {1 - rank} is in {theirs}, step 3, waiting in all_reduce on" in message
-        # each rank now joins the collective the other waits in, so both complete
+        # each rank now joins the collective the other waits in, so both complete; not at
+        # once: the other rank raises too (the verdict this one left in the store), which a
+        # completed wait would not let it
+        time.sleep(BOUND)
         zcomm.all_reduce(torch.ones(2), group=other if rank == 0 else None)

@@ -169,6 +169,11 @@ class _Watchdog:
         self.store = store
         self.waiting: _Waiting | None = None  # set by the main thread in `wait_slowly`
         self.seen: dict[int, _Seen] = {}
+        # [Note: shared verdicts] a rank that finds the ranks out of step says so in the
+        # store (a counter, then the message under its number), so that a rank whose wait a
+        # raising rank could complete by joining it later raises too: every rank gets the error
+        self.verdicts_seen: int | None = None  # the counter when this wait began
+        self.verdict: str | None = None  # a verdict published since
         self.last_read = time.monotonic()  # the last time the store answered
         self.counter = 0
         self.progress_lines = 0  # progress lines logged in the current wait
@@ -201,6 +206,11 @@ class _Watchdog:
 
     def _read(self) -> None:
         now = time.monotonic()
+        count = self.store.add(f"{_KEY}verdicts", 0)
+        if self.verdicts_seen is None:
+            self.verdicts_seen = count
+        elif count > self.verdicts_seen and self.verdict is None:
+            self.verdict = self.store.get(f"{_KEY}verdict/{count}").decode()
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
@@ -348,6 +358,15 @@ def _others(watchdog: _Watchdog) -> tuple[list[str], bool]:
     return lines, stuck
 
 
+def _publish(watchdog: _Watchdog, text: str) -> None:
+    """Tell the other ranks that this one found them out of step ([Note: shared verdicts])."""
+    try:
+        count = watchdog.store.add(f"{_KEY}verdicts", 1)
+        watchdog.store.set(f"{_KEY}verdict/{count}", text)
+    except Exception:  # a store that fails: the others find it out themselves
+        log.warning("zcomm: could not publish the watchdog's verdict to the store")
+
+
 def _check(watchdog: _Watchdog, op: str, group: dist.ProcessGroup | None, since: float) -> None:
     """Between two slices of a wait: raise if a rank went silent, or if every rank waits in
     a different collective, for longer than the bound; else log progress now and then."""
@@ -355,14 +374,20 @@ def _check(watchdog: _Watchdog, op: str, group: dist.ProcessGroup | None, since:
     if watchdog.bound and waited > watchdog.bound:
         _silent(watchdog, op, group, waited)
     lines, stuck = _others(watchdog)
-    if watchdog.bound and waited > watchdog.bound and stuck and op not in _P2P:
+    if watchdog.verdict is not None:  # [Note: shared verdicts]
         raise RanksOutOfStepError(
             op,
             describe_group(group),
             dist.get_rank(),
-            "the ranks are out of step: every rank waits in a collective, but not the same "
-            f"one, for over {watchdog.bound:g} s; {_mine(op, group, waited)}; " + "; ".join(lines),
+            f"{watchdog.verdict}; and {_mine(op, group, waited)}",
         )
+    if watchdog.bound and waited > watchdog.bound and stuck and op not in _P2P:
+        text = (
+            "the ranks are out of step: every rank waits in a collective, but not the same "
+            f"one, for over {watchdog.bound:g} s; {_mine(op, group, waited)}; " + "; ".join(lines)
+        )
+        _publish(watchdog, f"rank {dist.get_rank()} found: {text}")
+        raise RanksOutOfStepError(op, describe_group(group), dist.get_rank(), text)
     every = watchdog.bound or DEFAULT_BOUND
     if waited >= every * (watchdog.progress_lines + 1):
         watchdog.progress_lines += 1
@@ -386,6 +411,7 @@ def wait_slowly(
         watchdog.waiting = _Waiting(op, f"{op} on {describe_group(group)}", since)
         watchdog.progress_lines = 0
         watchdog.seen.clear()
+        watchdog.verdicts_seen = watchdog.verdict = None
     try:
         while True:
             try:
