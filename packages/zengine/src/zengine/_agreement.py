@@ -15,7 +15,9 @@ differing parameters. A rank whose own reading of the config failed takes part a
 first word says so), so the other ranks raise at once rather than wait in the next collective.
 
 The layout is compared within the data-parallel group (model-parallel ranks hold other slices);
-the config over the whole world. At world size 1 nothing is exchanged.
+the config over the engine's ranks: the world, or only the data-parallel group when an ``mpu``
+gives no model-parallel group (an engine on some of the ranks, the others never call
+`initialize`). With one rank nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -111,16 +113,22 @@ def describe_setup(
 
 
 def agree(
-    local: Setup | Exception, *, group: dist.ProcessGroup | None, device: torch.device
+    local: Setup | Exception,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    engine_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Check that every rank's `Setup` matches; raise `RankMismatchError` on every rank if not.
 
     `local` is this rank's setup, or the error its preparation raised: that rank re-raises it
     and the others raise a `RankMismatchError` naming it. `group` is the data-parallel group
-    (None: the world), within which the parameter layouts must match. One all-gather of a few
-    words when all match; nothing at world size 1. [Note: agreement at initialize]
+    (None: the world), within which the parameter layouts must match; `engine_group` holds
+    every rank of the engine (None: the world), over which the configs must match. One
+    all-gather of a few words when all match; nothing with one rank. [Note: agreement at
+    initialize]
     """
-    world = zcomm.get_world_size()
+    world = dist.get_world_size(engine_group)
     if world == 1:
         if isinstance(local, Exception):
             raise local
@@ -134,17 +142,18 @@ def agree(
         words += [0, 0, 0, 0]
     mine = torch.tensor(words, dtype=torch.int64, device=device)
     everyone = torch.empty(world * len(words), dtype=torch.int64, device=device)
-    zcomm.all_gather_into_tensor(everyone, mine)
+    zcomm.all_gather_into_tensor(everyone, mine, group=engine_group)
     rows = [tuple(row) for row in everyone.view(world, len(words)).tolist()]
     if not _mismatch(rows):
         return
     # every rank saw the same rows, so every rank comes here: the details, once
     payload: Any = _error_text(local) if isinstance(local, Exception) else local
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, payload)
+    dist.all_gather_object(gathered, payload, group=engine_group)
     if isinstance(local, Exception):
         raise local
-    raise RankMismatchError(_problems(gathered, rows))
+    ranks = dist.get_process_group_ranks(engine_group) if engine_group is not None else None
+    raise RankMismatchError(_problems(gathered, rows, ranks))
 
 
 def _mismatch(rows: list[tuple[int, ...]]) -> bool:
@@ -156,8 +165,13 @@ def _mismatch(rows: list[tuple[int, ...]]) -> bool:
     return any(len(digests) > 1 for digests in layouts.values())
 
 
-def _problems(gathered: list[Any], rows: list[tuple[int, ...]]) -> list[str]:
-    failures = {r: text for r, text in enumerate(gathered) if isinstance(text, str)}
+def _problems(
+    gathered: list[Any], rows: list[tuple[int, ...]], ranks: list[int] | None
+) -> list[str]:
+    """What differs, by global rank (`ranks`: the engine group's, None: the world's)."""
+    rank_of = ranks or list(range(len(rows)))
+    items = {rank_of[i]: item for i, item in enumerate(gathered)}
+    failures = {r: text for r, text in items.items() if isinstance(text, str)}
     if failures:
         lines = [
             f"initialize: {_ranks(list(failures))} could not read the config or the model "
@@ -166,15 +180,15 @@ def _problems(gathered: list[Any], rows: list[tuple[int, ...]]) -> list[str]:
         for rank, text in failures.items():
             lines += [f"  rank {rank}: {line}" for line in text.splitlines()]
         return lines
-    setups: dict[int, Setup] = dict(enumerate(gathered))
+    setups: dict[int, Setup] = items
     lines = _config_lines(setups)
     by_group: dict[int, list[int]] = {}
-    for rank, row in enumerate(rows):
-        by_group.setdefault(row[1], []).append(rank)
+    for i, row in enumerate(rows):
+        by_group.setdefault(row[1], []).append(rank_of[i])
     several = len(by_group) > 1
-    for ranks in by_group.values():
-        prefix = f"(data-parallel {_ranks(ranks)}) " if several else ""
-        lines += [prefix + line for line in _layout_lines({r: setups[r] for r in ranks})]
+    for members in by_group.values():
+        prefix = f"(data-parallel {_ranks(members)}) " if several else ""
+        lines += [prefix + line for line in _layout_lines({r: setups[r] for r in members})]
     header = (
         "initialize: the ranks were given different configs or models, and would hang or fail "
         "in the first collective that depends on them; every rank stops here. What differs:"

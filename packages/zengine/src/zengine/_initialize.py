@@ -81,10 +81,13 @@ def initialize(
     zcomm.init_distributed(dist_init_required=dist_init_required)
     pipeline = isinstance(model, PipelineModule)
     group: dist.ProcessGroup | None
+    engine_group: dist.ProcessGroup | None = None  # the ranks that call initialize with us
     if isinstance(model, PipelineModule):
         group = model.mpu().get_data_parallel_group()  # the replicas of this rank's stage
     else:
         group = mpu.get_data_parallel_group() if mpu is not None else None
+        if mpu is not None and not hasattr(mpu, "get_model_parallel_group"):
+            engine_group = group  # an engine on some ranks only: the others never come
     device = torch.device(zcomm.get_accelerator().current_device_name())
     try:  # what each rank reads on its own, before any collective
         raw = read_config(config)
@@ -98,12 +101,12 @@ def initialize(
         make_optimizer = optimizer_factory(optimizer, cfg)  # its errors come before any change
         setup = describe_setup(cfg, model, groups, options, optimizer)
     except Exception as error:  # the other ranks hear of it rather than wait for this one
-        agree(error, group=group, device=device)
+        agree(error, group=group, device=device, engine_group=engine_group)
         raise  # agree raised it already; this line is for the type checker
     # the same config and parameters on every rank (a pipeline's: within each stage's
     # replicas), before the first collective that depends on them ([Note: agreement at
     # initialize])
-    agree(setup, group=group, device=device)
+    agree(setup, group=group, device=device, engine_group=engine_group)
     if isinstance(model, PipelineModule):
         return initialize_pipeline(
             model,
