@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import zengine
 import zpipe
 from zcomm.testing import DistributedTest
-from zengine.pipe import LayerSpec, PipelineEngine, PipelineError, PipelineModule
+from zengine.pipe import SCHEDULES, LayerSpec, PipelineEngine, PipelineError, PipelineModule
 
 from ._helpers import (
     BASE_SEED,
@@ -258,7 +258,14 @@ class TestFailures(DistributedTest):
     def test_ranks_that_disagree_on_the_schedule(self) -> None:
         module = pipeline(2)
         mine = "1f1b" if module.stage_id == 0 else "gpipe"
-        engine = pipe_initialize(module, pipe_config(pipeline={"schedule": mine}))
+        # in the configs, initialize names it before any stage starts
+        with pytest.raises(
+            zengine.RankMismatchError, match=r'pipeline\.schedule: rank 0 has "1f1b"'
+        ):
+            pipe_initialize(module, pipe_config(pipeline={"schedule": mine}))
+        # set on the engines afterwards, the schedules' first exchange names it
+        engine = pipe_initialize(pipeline(2), pipe_config())
+        engine.train_schedule_cls = SCHEDULES[mine]
         with pytest.raises(PipelineError, match="the ranks disagree on the schedule") as caught:
             engine.train_batch(micro_batches(global_batches(1, 8)[0], 4, 1, 0))
         other = 1 - engine.stage_id
