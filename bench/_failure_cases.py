@@ -162,8 +162,9 @@ def frozen_rank(work: Path) -> None:
 
 
 def _per_rank(key: str, values: tuple[Any, Any]) -> None:
+    """`key` set to one value on rank 0 and another on rank 1, then a step."""
     diverge()
-    engine(config(**{key: values[RANK % 2]}))
+    train(engine(config(**{key: values[RANK % 2]})))
 
 
 def mics_shard_size_differs(work: Path) -> None:
