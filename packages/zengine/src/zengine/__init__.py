@@ -14,7 +14,9 @@ from zengine._checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointTagError,
+    ClientStateError,
     CorruptCheckpointError,
+    UnsafeCheckpointError,
 )
 from zengine._config import ConfigError, EngineConfig, add_config_arguments, load_config
 from zengine._engine import Engine
@@ -66,6 +68,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointTagError",
+    "ClientStateError",
     "ConfigError",
     "CorruptCheckpointError",
     "DeepSpeedConfigError",
@@ -78,6 +81,7 @@ __all__ = [
     "OneCycle",
     "RankMismatchError",
     "StaticLossScaler",
+    "UnsafeCheckpointError",
     "UsageError",
     "WarmupCosineLR",
     "WarmupDecayLR",
