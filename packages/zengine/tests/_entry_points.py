@@ -164,17 +164,35 @@ def check_output(
             assert all(torch.equal(state[k], v) for k, v in expected.items()), said
 
 
+def module_twin(entry: EntryPoint, entries: list[EntryPoint]) -> EntryPoint | None:
+    """The ``python -m`` form of the console script `entry`, where both run one program (the
+    script ``zengine`` and ``python -m zengine``); None for a module or a script without one."""
+    if entry.command[0] == sys.executable:
+        return None
+    twins = [e for e in entries if e.name == entry.name and e.command[0] == sys.executable]
+    return twins[0] if twins else None
+
+
 def check_command(
     entry: EntryPoint,
     jobs: dict[str, Job],
     internal: dict[str, str],
     checkpoint: Path,
     tmp_path: Path,
+    twin: EntryPoint | None = None,
 ) -> None:
     """`entry` (and each of its subcommands) prints its usage, does its job from `jobs` on
     `checkpoint` (whose model a state dict it writes must equal) and refuses its bad
-    arguments; a command named in `internal` must fail on its own."""
+    arguments; a command named in `internal` must fail on its own. A console script with a
+    `twin` (its ``python -m`` form, which does all of that) is checked for its wiring: its
+    usage offers the twin's subcommands."""
     assert Path(entry.command[0]).exists(), f"{entry}: declared, but not installed"
+    if twin is not None:
+        script, module = run_all([[*entry.command, "--help"], [*twin.command, "--help"]])
+        assert script.returncode == 0, script.stderr
+        assert "usage:" in script.stdout, script.stdout
+        assert subcommands(script.stdout) == subcommands(module.stdout), script.stdout
+        return
     if entry.name in internal:
         [alone] = run_all([[*entry.command, "--help"]])
         assert alone.returncode != 0, f"{entry} ({internal[entry.name]}) exited 0 on --help"

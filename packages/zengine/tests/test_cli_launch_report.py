@@ -91,16 +91,6 @@ def test_launch_help_and_refusal(tmp_path: Path) -> None:
     assert "--exclude names host 'node-b', which the hostfile does not list" in proc.stderr
 
 
-def test_help_lists_the_commands(tmp_path: Path) -> None:
-    proc = _run([*_zengine(), "--help"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    for command in ("consolidate", "launch", "report"):
-        assert command in proc.stdout
-    proc = _run([*_zengine(), "report", "--help"], tmp_path)
-    assert proc.returncode == 0
-    assert "--json" in proc.stdout
-
-
 def test_report(tmp_path: Path) -> None:
     proc = _run([sys.executable, "-m", "zengine", "report", "--nvme-path", str(tmp_path)], tmp_path)
     assert proc.returncode == 0, proc.stderr

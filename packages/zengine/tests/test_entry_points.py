@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 from ._ds_fixture import FIXTURES
-from ._entry_points import LAUNCH, NODE, EntryPoint, Job, check_command, entry_points, stale_jobs
+from ._entry_points import (
+    LAUNCH,
+    NODE,
+    EntryPoint,
+    Job,
+    check_command,
+    entry_points,
+    module_twin,
+    stale_jobs,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 PACKAGES = ["zpipe", "zcomm", "zpartition", "zoffload", "zengine"]
@@ -50,4 +59,5 @@ def test_the_known_commands_are_found() -> None:
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=str)
 def test_the_command_does_its_job(entry: EntryPoint, tmp_path: Path) -> None:
-    check_command(entry, JOBS, INTERNAL, CHECKPOINT, tmp_path)
+    twin = module_twin(entry, ENTRY_POINTS)
+    check_command(entry, JOBS, INTERNAL, CHECKPOINT, tmp_path, twin)
