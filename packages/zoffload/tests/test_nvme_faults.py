@@ -31,6 +31,8 @@ def test_a_full_disk_is_named_and_nothing_moves(tiny_mount, storage_bytes):
             off.offload(tensors, "nvme", non_blocking=non_blocking).wait()
         error = info.value
         assert str(nvme) in str(error)
+        assert error.needed is not None
+        assert error.free is not None
         assert error.needed > (1 << 20) > error.free
         assert f"{error.needed} bytes" in str(error)
         assert f"{error.free} bytes" in str(error)
@@ -90,6 +92,7 @@ def test_a_write_held_until_commit(tmp_path, storage_bytes):
     off = zoffload.Offloader(pool=zoffload.HostPool(), nvme_path=tmp_path)
     handle = off.offload({"t": t}, "nvme", commit=False)
     assert handle.state == "written"
+    assert handle.path is not None
     assert handle.path.exists()
     assert torch.equal(storage_bytes(t), before)  # the bytes are still here
     handle.abandon()  # another rank failed: the file goes, the tensor stays

@@ -13,6 +13,7 @@ nothing it names is called.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import pathlib
 import pickle
 import warnings
@@ -82,8 +83,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _numpy_globals() -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
     """NumPy's array and its rebuilding function under both their module names (the RNG state
     holds NumPy's generator state); none without NumPy."""
-    try:
-        import numpy
+    try:  # Any: NumPy is optional here (torch runs without it), and so are its types
+        numpy: Any = importlib.import_module("numpy")
     except ImportError:
         return []
     core = getattr(numpy, "_core", None) or numpy.core
