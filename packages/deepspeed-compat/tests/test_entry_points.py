@@ -90,4 +90,5 @@ def test_the_known_commands_are_found() -> None:
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=str)
 def test_the_command_does_its_job(entry: Any, checkpoint: Path, tmp_path: Path) -> None:
-    shared.check_command(entry, JOBS, INTERNAL, checkpoint, tmp_path)
+    twin = shared.module_twin(entry, ENTRY_POINTS)
+    shared.check_command(entry, JOBS, INTERNAL, checkpoint, tmp_path, twin)

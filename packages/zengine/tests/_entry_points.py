@@ -64,6 +64,7 @@ with open(os.path.join(out, "rank" + os.environ["RANK"]), "w") as f:
 class EntryPoint:
     name: str  # the console script's or the module's name
     command: tuple[str, ...]  # how to run it
+    target: str = ""  # a console script's module (``deepspeed.launcher.runner``)
 
     def __str__(self) -> str:
         return " ".join(self.command[1:]) if self.command[0] == sys.executable else self.name
@@ -74,9 +75,9 @@ def entry_points(roots: list[Path]) -> list[EntryPoint]:
     with -m."""
     found = []
     for root in roots:
-        for script in declared_scripts(root / "pyproject.toml"):
+        for script, target in declared_scripts(root / "pyproject.toml").items():
             path = shutil.which(script, path=Path(sys.executable).parent)
-            found.append(EntryPoint(script, (path or f"<{script} is not installed>",)))
+            found.append(EntryPoint(script, (path or f"<{script} is not installed>",), target))
         for source in sorted((root / "src").rglob("*.py")):
             module = ".".join(source.relative_to(root / "src").with_suffix("").parts)
             if source.name == "__main__.py":
@@ -87,12 +88,14 @@ def entry_points(roots: list[Path]) -> list[EntryPoint]:
     return found
 
 
-def declared_scripts(pyproject: Path) -> list[str]:
-    """The names under ``[project.scripts]`` (tomllib is Python 3.11's; we support 3.10)."""
+def declared_scripts(pyproject: Path) -> dict[str, str]:
+    """The names under ``[project.scripts]`` and the modules they run (tomllib is Python
+    3.11's; we support 3.10)."""
     text = pyproject.read_text()
     section = re.search(r"^\[project\.scripts\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
     lines = section.group(1).splitlines() if section else []
-    return [m.group(1) for m in map(re.compile(r"^([\w.-]+)\s*=").match, lines) if m]
+    line = re.compile(r"^([\w.-]+)\s*=\s*\"([\w.]+):")
+    return {m.group(1): m.group(2) for m in map(line.match, lines) if m}
 
 
 def runs_as_main(source: Path) -> bool:
@@ -166,10 +169,12 @@ def check_output(
 
 def module_twin(entry: EntryPoint, entries: list[EntryPoint]) -> EntryPoint | None:
     """The ``python -m`` form of the console script `entry`, where both run one program (the
-    script ``zengine`` and ``python -m zengine``); None for a module or a script without one."""
+    script ``zengine`` and ``python -m zengine``, ``deepspeed`` and ``python -m
+    deepspeed.launcher.runner``); None for a module or a script without one."""
     if entry.command[0] == sys.executable:
         return None
-    twins = [e for e in entries if e.name == entry.name and e.command[0] == sys.executable]
+    names = {entry.name, entry.target}
+    twins = [e for e in entries if e.name in names and e.command[0] == sys.executable]
     return twins[0] if twins else None
 
 
