@@ -37,6 +37,7 @@ FIXTURE = BENCH.parent / "packages/zengine/tests/deepspeed_checkpoints/fixtures/
 LIMIT = float(os.environ.get("FAILURES_LIMIT", "90"))
 ROUNDS = int(os.environ.get("FAILURES_ROUNDS", "3"))
 WORLD = 2
+STOPPED = {"frozen_rank": 1}  # the rank a case stops with SIGSTOP
 
 
 class Payload:
@@ -135,9 +136,13 @@ def run_once(case: str, python: str, env: dict[str, str]) -> dict[str, Any]:
             else:
                 tail = (err.strip().splitlines() or ["(no output)"])[-1][:200]
                 ranks.append({"rank": rank, "outcome": f"died ({p.returncode})", "error": tail})
+        for r in ranks:
+            if r["rank"] == STOPPED.get(case) and r["outcome"] == "hang":
+                r["outcome"] = "stopped"  # by the case itself: it cannot report
         diverged = [r["diverged"] for r in ranks if r.get("diverged")]
         ended = [r["ended"] for r in ranks if r.get("ended")]
-        hung = any(r["outcome"] == "hang" for r in ranks)
+        # a hang: no rank could say anything (a rank that did is timed, the others shown)
+        hung = not ended
         seconds = None if hung or not diverged else max(ended) - min(diverged)
         return {"ranks": ranks, "seconds": seconds, "hung": hung}
 
@@ -159,6 +164,8 @@ def describe(rounds: list[dict[str, Any]]) -> tuple[str, str]:
             what = f"{what}: {r.get('error', '')}"
         elif what == "hang":
             what = "hangs"
+        elif what == "stopped":
+            what = "stopped (SIGSTOP)"
         seen.append(f"rank {r['rank']}: {what}")
     times = [r["seconds"] for r in rounds if r.get("seconds") is not None]
     if any(r.get("hung") for r in rounds):
