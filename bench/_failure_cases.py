@@ -218,7 +218,7 @@ def _nvme_config(path: Path) -> dict[str, Any]:
 
 
 def nvme_full_disk(work: Path) -> None:
-    """ZeRO-Infinity with rank 1's NVMe folder on a 64 KiB tmpfs (the driver mounts it)."""
+    """ZeRO-Infinity with rank 1's NVMe folder on a 4 KiB tmpfs (the driver mounts it)."""
     path = work / ("small" if RANK == 1 else "big")
     diverge()
     train(engine(_nvme_config(path)), 2)

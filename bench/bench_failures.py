@@ -74,7 +74,7 @@ def _prepare(case: str, work: Path) -> str | None:
         _plant(work)
     if case == "nvme_full_disk":
         (work / "big").mkdir()
-        if not _mount(work / "small", "size=64k"):
+        if not _mount(work / "small", "size=4k"):
             return "mounting a tmpfs needs root"
     if case == "nvme_read_only" and not _mount(work / "readonly", "ro,size=1m"):
         return "mounting a tmpfs needs root"

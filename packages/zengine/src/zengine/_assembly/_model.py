@@ -7,6 +7,7 @@ puts them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, cast
 
 import torch
@@ -53,13 +54,15 @@ def check_nvme_paths(model: nn.Module, cfg: EngineConfig) -> None:
                 for p in zpartition_params(model))  # fmt: skip
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank = -(-numel // world)
-    needs = []
+    needs: dict[str | os.PathLike[str], int] = {}  # one folder for both: once, for the sum
     if zero.offload_param.device == "nvme" and zero.offload_param.nvme_path is not None:
-        needs.append((zero.offload_param.nvme_path, per_rank * cfg.dtype.itemsize))
+        path = zero.offload_param.nvme_path
+        needs[path] = needs.get(path, 0) + per_rank * cfg.dtype.itemsize
     if zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.nvme_path is not None:
-        needs.append((zero.offload_optimizer.nvme_path, per_rank * 4))
+        path = zero.offload_optimizer.nvme_path
+        needs[path] = needs.get(path, 0) + per_rank * 4
     if needs:
-        agree_on_folders(needs, None, "initialize")
+        agree_on_folders(list(needs.items()), None, "initialize")
 
 
 def prepare_dense(
