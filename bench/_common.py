@@ -3,12 +3,14 @@ an engine, and starting ranks as separate processes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,3 +137,15 @@ def run_ranks(script: str, args: Sequence[str], world: int) -> list[dict[str, ob
     if not results:
         raise SystemExit("no benchmark rank printed a RESULT line")
     return results
+
+
+def ds_fixture() -> Any:
+    """zengine's tests' DeepSpeed fixture module (model, data, configs), loaded by its path
+    (Any: a module of the checkout's tests, which no environment installs)."""
+    path = Path(__file__).resolve().parents[1] / "packages/zengine/tests/_ds_fixture.py"
+    spec = importlib.util.spec_from_file_location("_ds_fixture", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

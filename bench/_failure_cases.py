@@ -12,7 +12,6 @@ hung) from its exit.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,12 +23,9 @@ from typing import Any
 
 import torch
 
-TESTS = Path(__file__).resolve().parents[1] / "packages" / "zengine" / "tests"
-_spec = importlib.util.spec_from_file_location("_ds_fixture", TESTS / "_ds_fixture.py")
-assert _spec is not None
-assert _spec.loader is not None
-fx: Any = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+from _common import ds_fixture
+
+fx: Any = ds_fixture()
 
 # zstack's compatibility package or DeepSpeed, whichever the driver put on the path; imported by
 # main(), so that the driver can read CASES without either

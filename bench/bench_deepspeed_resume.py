@@ -13,24 +13,17 @@ of a global batch of 8 whatever the world size.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import zengine
-from _common import run_ranks
+from _common import ds_fixture, run_ranks
 
-TESTS = Path(__file__).resolve().parents[1] / "packages" / "zengine" / "tests"
-_spec = importlib.util.spec_from_file_location("_ds_fixture", TESTS / "_ds_fixture.py")
-assert _spec is not None
-assert _spec.loader is not None
-fx: Any = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx: Any = ds_fixture()
 
 # (case, the world size zstack loads it at, the ZeRO stage it runs, or None for the case's)
 RUNS: list[tuple[str, int, int | None]] = [
