@@ -125,8 +125,8 @@ class TestOffloadNvmeFaults(DistributedTest):
             read_only = mounts(1 << 20, read_only=True) if rank == 1 else fine
             # one filesystem for both ranks: room for one rank's states, not for two
             shared = mounts(3 << 20) if rank == 0 else None
-            listed: list[Any] = [str(shared)]
-            torch.distributed.broadcast_object_list(listed, src=0)
+            listed: list[Any] = [None] * 2
+            zcomm.all_gather_object(listed, str(shared))  # torch's needs NumPy
             shared = Path(listed[0])
             cases: list[tuple[Path, type[zoffload.NvmeError], str, Any]] = [
                 (full, zoffload.NvmeSpaceError, "rank 1 .*not enough free space", None),

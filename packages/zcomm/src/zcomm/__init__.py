@@ -41,6 +41,7 @@ from zcomm._nodes import (
     node_layout,
     set_node_layout,
 )
+from zcomm._objects import all_gather_object
 from zcomm._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from zcomm._quantize import (
     QuantizationError,
@@ -94,6 +95,7 @@ __all__ = [
     "__version__",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_object",
     "all_gather_quantized",
     "all_reduce",
     "all_to_all_single",

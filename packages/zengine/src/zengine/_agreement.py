@@ -9,7 +9,7 @@ minutes) without a word, a different ``stage3_param_persistence_threshold`` ende
 gloo's abort. So before any of that, each rank gathers a fixed-size digest of every rank's
 effective config and parameter layout (one all-gather of six int64 words per rank): a blake2b
 over a canonical JSON of each. They match in the good case, and `initialize` goes on. On a
-mismatch the ranks exchange the details (one ``all_gather_object``, only then) and every rank
+mismatch the ranks exchange the details (one ``zcomm.all_gather_object``, only then) and every rank
 raises `RankMismatchError`, which names the differing keys with each rank's value, or the first
 differing parameters. A rank whose own reading of the config failed takes part as well (its
 first word says so), so the other ranks raise at once rather than wait in the next collective.
@@ -149,7 +149,7 @@ def agree(
     # every rank saw the same rows, so every rank comes here: the details, once
     payload: Any = _error_text(local) if isinstance(local, Exception) else local
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, payload, group=engine_group)
+    zcomm.all_gather_object(gathered, payload, group=engine_group)  # torch's needs NumPy
     if isinstance(local, Exception):
         raise local
     ranks = dist.get_process_group_ranks(engine_group) if engine_group is not None else None

@@ -11,14 +11,11 @@ crashed, not as late.
 
 from __future__ import annotations
 
-import ctypes
-import pickle
 import re
 import time
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 import zcomm
@@ -98,33 +95,12 @@ class Sync:
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value` (picklable), in rank order.
 
-        Pickles go through tensors here rather than ``dist.all_gather_object``, which needs
-        NumPy on CPU (torch calls ``tensor.numpy()`` to unpickle).
+        ``zcomm.all_gather_object``: ``dist.all_gather_object`` needs NumPy on CPU (torch
+        calls ``tensor.numpy()`` to unpickle).
         """
-        if self.world == 1:
-            return [value]
-        data = pickle.dumps(value)
-        device = self._device()
-        sizes = torch.zeros(self.world, dtype=torch.int64, device=device)
-        mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        zcomm.all_gather_into_tensor(sizes, mine, group=self.group)
-        longest = int(sizes.max())
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        if data:
-            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.empty(self.world * longest, dtype=torch.uint8, device=device)
-        zcomm.all_gather_into_tensor(out, padded.to(device), group=self.group)
-        out = out.cpu()
-        base = out.data_ptr()
-        return [
-            pickle.loads(ctypes.string_at(base + r * longest, int(n)))
-            for r, n in enumerate(sizes.tolist())
-        ]
-
-    def _device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        found: list[Any] = [None] * self.world
+        zcomm.all_gather_object(found, value, group=self.group)
+        return found
 
     def agree(
         self,

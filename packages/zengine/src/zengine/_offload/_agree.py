@@ -47,7 +47,7 @@ def _gather(mine: object, group: dist.ProcessGroup | None) -> list[object]:
     if not dist.is_available() or not dist.is_initialized():
         return [mine]
     found: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(found, mine, group=group)
+    zcomm.all_gather_object(found, mine, group=group)  # torch's needs NumPy
     return found
 
 
