@@ -51,7 +51,8 @@ def _gather(mine: object, group: dist.ProcessGroup | None) -> list[object]:
     return found
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
+def _rank() -> int:
+    """This process's global rank, as the messages name ranks (0 without a process group)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -85,7 +86,7 @@ def agree_on_folders(
     """Check this rank's NVMe folders (made if missing) for the bytes each needs, and agree:
     every rank raises the same error if any folder on any rank fails ([Note: NVMe faults
     agreed]). Collective over `group`; ``needs`` may differ (or be empty) between ranks."""
-    rank, host = _rank(group), socket.gethostname()
+    rank, host = _rank(), socket.gethostname()
     mine = []
     for path, needed in needs:
         found = zoffload.inspect_folder(path, 0)  # space is judged per filesystem, below
@@ -125,7 +126,7 @@ def agree_on_outcome(
 ) -> None:
     """After the writes: every rank raises one named error if any rank's failed (its own
     error chained on the rank that saw it), else returns ([Note: NVMe faults agreed])."""
-    rank, host = _rank(group), socket.gethostname()
+    rank, host = _rank(), socket.gethostname()
     mine = None
     if error is not None:
         if isinstance(error, NvmeError):
