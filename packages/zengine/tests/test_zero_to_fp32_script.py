@@ -1,15 +1,20 @@
 """The ``zero_to_fp32.py`` that ``save_checkpoint`` writes into every save_dir, as DeepSpeed's
 users run it: ``python zero_to_fp32.py . OUT`` from the folder, with DeepSpeed's arguments. Real
 checkpoints from 2-rank runs (a ZeRO-3 engine with tied and frozen weights; a pipeline engine of
-2 stages) and one of DeepSpeed's own; the script run as a subprocess; its files compared with
-the model's full parameters and with ``zengine consolidate``'s file."""
+2 stages) and one of DeepSpeed's own; the script run as a subprocess once a test (the process a
+user starts), its other runs in this process (the same file and code, without a torch import
+of seconds each); its files compared with the model's full parameters and with
+``zengine consolidate``'s file."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
 import re
+import runpy
 import stat
 import subprocess
 import sys
@@ -46,12 +51,43 @@ def run(args: list[str | Path], cwd: Path | None = None) -> subprocess.Completed
     )
 
 
+def run_here(args: list[str | Path], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`run`'s command (a script, or ``-m`` and a module) in this process, as ``python`` runs
+    it: its ``__main__``, with its arguments in ``sys.argv``, from `cwd`; its exit status and
+    what it wrote to stderr."""
+    command = [str(a) for a in args]
+    err = io.StringIO()
+    argv, here = sys.argv, os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                if command[0] == "-m":
+                    sys.argv = [command[1], *command[2:]]
+                    runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = command
+                    runpy.run_path(command[0], run_name="__main__")
+                code = 0
+            except SystemExit as exit:
+                if exit.code is None or isinstance(exit.code, int):
+                    code = exit.code or 0
+                else:  # sys.exit("message"): python prints it and exits 1
+                    print(exit.code, file=sys.stderr)
+                    code = 1
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+    return subprocess.CompletedProcess(command, code, "", err.getvalue())
+
+
 def converted(
-    args: list[str | Path], out: Path, cwd: Path | None = None
+    args: list[str | Path], out: Path, cwd: Path | None = None, here: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Run the script; every tensor of the files it wrote into `out` (its shards checked
-    against their index)."""
-    done = run(args, cwd)
+    """Run the script (in this process, or as a subprocess where `here` is false); every tensor
+    of the files it wrote into `out` (its shards checked against their index)."""
+    done = (run_here if here else run)(args, cwd)
     assert done.returncode == 0, done.stderr
     files = sorted(os.listdir(out))
     index = [f for f in files if f.endswith(".index.json")]
@@ -96,11 +132,11 @@ class TestScriptInSaveDir(DistributedTest):
         assert not (ckpt / "later" / SCRIPT).exists()
 
         # from the folder, as DeepSpeed's users run it: the tag 'latest' names
-        state = converted([SCRIPT, ".", tmp_path / "bin"], tmp_path / "bin", cwd=ckpt)
+        state = converted([SCRIPT, ".", tmp_path / "bin"], tmp_path / "bin", ckpt, here=False)
         assert os.listdir(tmp_path / "bin") == ["pytorch_model.bin"]
         assert_equal(state, later)
         assert state["head.weight"].data_ptr() == state["embed.weight"].data_ptr()  # one storage
-        done = run(["-m", "zengine", "consolidate", ckpt, tmp_path / "consolidated.pt"])
+        done = run_here(["-m", "zengine", "consolidate", ckpt, tmp_path / "consolidated.pt"])
         assert done.returncode == 0, done.stderr
         assert_equal(state, torch.load(tmp_path / "consolidated.pt", weights_only=True))
 
@@ -146,7 +182,7 @@ class TestScriptInSaveDir(DistributedTest):
         for stage in (1, 0):  # a tied weight: stage 0's copy (equal on both)
             expected.update(torch.load(tmp_path / f"stage{stage}.pt", weights_only=True))
         assert "tied_modules.embed.weight" in expected
-        state = converted([SCRIPT, ".", tmp_path / "out"], tmp_path / "out", cwd=ckpt)
+        state = converted([SCRIPT, ".", tmp_path / "out"], tmp_path / "out", ckpt, here=False)
         assert_equal(state, expected)
 
 
@@ -175,13 +211,13 @@ def test_a_folder_without_a_checkpoint_is_named(tmp_path: Path) -> None:
     assert "no checkpoint here" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
     fixture = FIXTURES / "stage3_fp32_ws2"
-    done = run([script, fixture, tmp_path / "out", "--tag", "global_step9"])
+    done = run_here([script, fixture, tmp_path / "out", "--tag", "global_step9"])
     assert done.returncode == 1
     assert "global_step9" in done.stderr, done.stderr
-    done = run([script, fixture, tmp_path / "out", "--max_shard_size", "5 parsecs"])
+    done = run_here([script, fixture, tmp_path / "out", "--max_shard_size", "5 parsecs"])
     assert done.returncode == 1
     assert "max_shard_size" in done.stderr, done.stderr
-    done = run([script, fixture])  # no output folder: argparse's usage error
+    done = run_here([script, fixture])  # no output folder: argparse's usage error
     assert done.returncode == 2
     assert "output_dir" in done.stderr, done.stderr
 
