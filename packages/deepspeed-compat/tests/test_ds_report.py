@@ -1,30 +1,21 @@
-"""``ds_report`` (DeepSpeed's environment report) on zstack: the console script and ``python -m
-deepspeed.env_report``, run as commands. It says that this ``deepspeed`` is zstack's
-compatibility package, prints DeepSpeed's op table with what stands in for each op, and
-zengine's report of the packages and the features this machine has."""
+"""``ds_report`` (DeepSpeed's environment report) on zstack: its command line (``cli_main``,
+which the console script and ``python -m deepspeed.env_report`` call; test_entry_points.py runs
+both as commands). It says that this ``deepspeed`` is zstack's compatibility package, prints
+DeepSpeed's op table with what stands in for each op, and zengine's report of the packages and
+the features this machine has."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
+import pytest
 import torch.distributed as dist
 
 import deepspeed
+from deepspeed.env_report import cli_main
 
 
-def _ds_report(*args: str) -> subprocess.CompletedProcess[str]:
-    found = shutil.which("ds_report", path=str(Path(sys.executable).parent))
-    assert found is not None, "the ds_report console script is not installed (pip install -e)"
-    return subprocess.run([found, *args], capture_output=True, text=True, timeout=300)
-
-
-def test_ds_report() -> None:
-    proc = _ds_report()
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+def test_ds_report(capsys: pytest.CaptureFixture[str]) -> None:
+    cli_main([])
+    out = capsys.readouterr().out
     assert f"deepspeed {deepspeed.__version__} is zstack's compatibility package" in out
     assert "DeepSpeed C++/CUDA extension op report (zstack)" in out
     for op in ("cpu_adam", "fused_adam", "async_io"):
@@ -36,16 +27,15 @@ def test_ds_report() -> None:
         assert f"\n{feature} ..." in out
 
 
-def test_flags_and_module_entry() -> None:
-    proc = _ds_report("--hide_operator_status", "--hide_errors_and_warnings")
-    assert proc.returncode == 0, proc.stderr
-    assert "op report" not in proc.stdout
-    assert "zstack: features on this machine" in proc.stdout
-    proc = _ds_report("--help")
-    assert proc.returncode == 0
-    assert "--hide_operator_status" in proc.stdout
-    assert "--hide_errors_and_warnings" in proc.stdout
-    cmd = [sys.executable, "-m", "deepspeed.env_report", "--hide_operator_status"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "is zstack's compatibility package" in proc.stdout
+def test_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    cli_main(["--hide_operator_status", "--hide_errors_and_warnings"])
+    out = capsys.readouterr().out
+    assert "op report" not in out
+    assert "zstack: features on this machine" in out
+    assert "is zstack's compatibility package" in out
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert "--hide_operator_status" in out
+    assert "--hide_errors_and_warnings" in out
