@@ -21,6 +21,7 @@ from zoffload._pages import release_pages
 from zoffload._pool import HostPool, HostRegion, PoolStats, default_pool
 from zoffload._registry import handle_of
 from zoffload._space import FolderCheck, check_folder, free_bytes, inspect_folder
+from zoffload._stats import NvmeStats, nvme_stats
 from zoffload._swapdir import claim_folder, release_folder, sweep_stale
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "HostRegion",
     "NvmeError",
     "NvmeSpaceError",
+    "NvmeStats",
     "OffloadChecksumError",
     "OffloadDeviceEnum",
     "OffloadError",
@@ -48,6 +50,7 @@ __all__ = [
     "free_bytes",
     "handle_of",
     "inspect_folder",
+    "nvme_stats",
     "offload",
     "release_folder",
     "release_pages",

@@ -41,6 +41,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -58,6 +59,7 @@ from zoffload._layout import Layout, align_up
 from zoffload._pages import release_pages
 from zoffload._pool import HostPool, HostRegion
 from zoffload._space import free_bytes, nvme_error
+from zoffload._stats import COUNTERS
 from zoffload._storage import Slot, byte_view
 
 __all__ = ["FileManifest", "NvmeIO", "StorageEntry", "check_file"]
@@ -133,6 +135,7 @@ def read_manifest(path: Path) -> FileManifest:
         if version not in _READABLE:
             raise OffloadFileError(path, f"format version {version}, this zoffload reads {VERSION}")
         body = os.pread(fd, length, _PREFIX.size)
+        COUNTERS.add(read=len(prefix) + len(body))
         if len(body) != length or zlib.crc32(body) != crc:
             raise OffloadFileError(path, "its header is corrupt (checksum mismatch)")
     finally:
@@ -187,6 +190,7 @@ def _pwrite_all(fd: int, data: list[memoryview], offset: int) -> None:
     """Write ``data`` (one buffer after the other) at ``offset`` (a write may be short)."""
     while data:
         n = os.pwritev(fd, data[:_IOV_MAX], offset)
+        COUNTERS.add(written=n)  # [Note: NVMe accounting] in _stats
         data, offset = _advance(data, n), offset + n
 
 
@@ -198,6 +202,7 @@ def _pread_all(fd: int, into: list[memoryview], offset: int) -> int:
         n = os.preadv(fd, into[:_IOV_MAX], offset + done)
         if n == 0:
             break
+        COUNTERS.add(read=n)
         into, done = _advance(into, n), done + n
     return done
 
@@ -331,10 +336,13 @@ class NvmeIO:
         if free is not None and needed > free:  # before a byte is written: nothing to undo
             raise NvmeSpaceError(path, "not enough free space", needed=needed, free=free)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{draft.token[:8]}")
+        began = time.perf_counter()
         try:
-            return self._write(path, tmp, slots, layout, draft, header_nbytes, pinned, fences)
+            done = self._write(path, tmp, slots, layout, draft, header_nbytes, pinned, fences)
         except OSError as error:  # a full disk, a read-only one, an I/O error: named
             raise nvme_error(path, error, needed=needed) from error
+        COUNTERS.add(files_written=1, write_seconds=time.perf_counter() - began)
+        return done
 
     def _write(
         self,
@@ -431,6 +439,7 @@ class NvmeIO:
         fences: dict[torch.device, torch.cuda.Event],
     ) -> None:
         """Fill the (re-allocated) storages of ``slots`` from ``expected.path``, checking it."""
+        began = time.perf_counter()
         found = read_manifest(expected.path)
         if found.token != expected.token:
             raise OffloadFileError(expected.path, "belongs to another offload (token mismatch)")
@@ -456,6 +465,7 @@ class NvmeIO:
                 raise OffloadFileError(
                     expected.path, _bad_chunk(chunk.index, chunk.start, chunk.stop)
                 )
+        COUNTERS.add(files_read=1, read_seconds=time.perf_counter() - began)
 
     def _open_for_read(self, path: Path) -> tuple[int, bool]:
         if self.direct is not False and _O_DIRECT:
