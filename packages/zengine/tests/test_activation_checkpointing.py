@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zengine
 from zcomm.testing import DistributedTest
-from zengine import ConfigError, checkpointing
+from zengine import ConfigError, _recompute, checkpointing
 
 from ._helpers import LR, TinyGPT, engine_config, global_batches, plain_losses, train_engine
 
@@ -63,9 +63,9 @@ class TestActivationCheckpointing(DistributedTest):
 @pytest.fixture(autouse=True)
 def _settings_restored() -> Iterator[None]:
     """`configure` sets module-wide settings: each test starts from, and leaves, the defaults."""
-    saved = checkpointing._settings
+    saved = _recompute._settings
     yield
-    checkpointing._settings = saved
+    _recompute._settings = saved
 
 
 class DeepSpeedCheckpointed(TinyGPT):
@@ -150,11 +150,11 @@ def test_configure_takes_the_section_and_its_arguments_over_it() -> None:
     config = {"train_batch_size": 1, "activation_checkpointing": {"cpu_checkpointing": True}}
     checkpointing.configure(None, deepspeed_config=config, profile=True)
     assert checkpointing.is_configured()
-    settings = checkpointing._settings
+    settings = _recompute._settings
     assert settings.cpu
     assert settings.profile
     checkpointing.configure(None, deepspeed_config=config, checkpoint_in_cpu=False)
-    assert not checkpointing._settings.cpu
+    assert not _recompute._settings.cpu
     # nothing to split without model parallelism: taken with a model-parallel group of 1
     checkpointing.configure(_Mpu(1), partition_activations=True)
 

@@ -17,7 +17,7 @@ from torch import nn
 import zcomm
 import zengine
 from zcomm.testing import DistributedTest
-from zengine import checkpointing
+from zengine import _recompute, checkpointing
 from zengine.pipe import LayerSpec, PipelineEngine, PipelineModule
 
 from ._helpers import (
@@ -252,11 +252,11 @@ class TestConfigure(DistributedTest):
     world_size = (1, 2)
 
     def test_takes_the_engines_config_a_dict_and_a_path(self) -> None:
-        saved = checkpointing._settings
+        saved = _recompute._settings
         try:
             self._configure_and_train()
         finally:
-            checkpointing._settings = saved
+            _recompute._settings = saved
 
     def _configure_and_train(self) -> None:
         module = pipeline(zcomm.get_world_size())
@@ -270,19 +270,19 @@ class TestConfigure(DistributedTest):
             contiguous_checkpointing=True,
             num_checkpoints=9,
         )
-        settings = checkpointing._settings
+        settings = _recompute._settings
         assert (settings.partition, settings.contiguous, settings.num_layers) == (True, True, 9)
         assert not settings.cpu  # the engine's config holds no activation_checkpointing
         section = {"cpu_checkpointing": True, "profile": True}
         checkpointing.configure(None, deepspeed_config={**cfg, "activation_checkpointing": section})
-        assert (checkpointing._settings.cpu, checkpointing._settings.profile) == (True, True)
+        assert (_recompute._settings.cpu, _recompute._settings.profile) == (True, True)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "ds_config.json"
             path.write_text(json.dumps({"activation_checkpointing": {"cpu_checkpointing": True}}))
             checkpointing.configure(None, deepspeed_config=str(path))
-            assert (checkpointing._settings.cpu, checkpointing._settings.profile) == (True, False)
+            assert (_recompute._settings.cpu, _recompute._settings.profile) == (True, False)
             checkpointing.configure(None, deepspeed_config=path, synchronize=True)
-            assert (checkpointing._settings.cpu, checkpointing._settings.synchronize) == (
+            assert (_recompute._settings.cpu, _recompute._settings.synchronize) == (
                 True,
                 True,
             )

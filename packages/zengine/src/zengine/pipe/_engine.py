@@ -19,7 +19,7 @@ from torch import nn
 
 import zcomm
 import zpipe
-from zengine import checkpointing
+from zengine import _recompute as checkpointing
 from zengine._config import EngineConfig, PipelineConfig
 from zengine._engine import Engine
 from zengine.pipe._agreement import check_agreement

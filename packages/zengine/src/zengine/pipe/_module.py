@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 import zcomm
 from zcomm.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
-from zengine import checkpointing
+from zengine import _recompute as checkpointing
 from zengine.pipe._partition import layer_name, partition_layers
 from zengine.pipe._specs import LayerSpec, TiedLayerSpec
 
