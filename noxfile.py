@@ -35,7 +35,7 @@ CONSTRAINTS = str(ROOT / "constraints.txt")
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
 BUILD_BACKEND = "hatchling>=1.21"  # every package's [build-system] requires
 
-nox.options.sessions = ["lint", "typecheck", "tests", "interop"]
+nox.options.sessions = ["lint", "typecheck", "docs", "tests", "interop"]
 nox.options.default_venv_backend = "virtualenv"
 
 
@@ -290,8 +290,23 @@ def typecheck(session: nox.Session) -> None:
         package_dir = ROOT / "packages" / package
         session.run("mypy", *config, str(package_dir / "src"), str(package_dir / "tests"))
     session.run(
-        "mypy", *config, str(ROOT / "bench"), str(ROOT / "examples"), str(ROOT / "noxfile.py")
+        "mypy",
+        *config,
+        str(ROOT / "bench"),
+        str(ROOT / "examples"),
+        str(ROOT / "docs"),
+        str(ROOT / "noxfile.py"),
     )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The API reference (mkdocs.yml, docs/): one page per package from the docstrings, into
+    .docs-site/. Fails on a broken reference (--strict) and on a public name (an `__all__`'s)
+    missing from it (docs/test_reference.py)."""
+    _install(session, [*PACKAGES, COMPAT], "mkdocs>=1.6", "mkdocstrings-python>=1.10", "pytest>=8")
+    session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"))
+    session.run("pytest", str(ROOT / "docs" / "test_reference.py"), "-q")
 
 
 @nox.session
