@@ -129,6 +129,125 @@ class Nested(nn.Module):
         self.holder.other = nn.Linear(HIDDEN, HIDDEN)
 
 
+class Adapted(nn.Module):
+    """PEFT LoRA's layer: a frozen base, its adapters in ``ModuleDict``s, nothing of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(HIDDEN, HIDDEN).requires_grad_(False)
+        self.lora_dropout = nn.ModuleDict({"default": nn.Identity()})
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(HIDDEN, 4, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(4, HIDDEN, bias=False)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        adapter = self.lora_B["default"](self.lora_A["default"](self.lora_dropout["default"](x)))
+        out: torch.Tensor = self.base_layer(x) + adapter
+        return out
+
+
+class Experts(nn.Module):
+    """A fused MoE's experts (Transformers 5's Mixtral): one 3-D weight of its own, its
+    activation a child; a token goes to the expert its routing picks."""
+
+    def __init__(self, experts: int = 3) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, HIDDEN, HIDDEN) / HIDDEN**0.5)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        return self.act_fn(torch.einsum("...h,...hk->...k", x, self.weight[chosen]))
+
+
+class AdaptedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = Adapted()
+        self.o = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.o(torch.tanh(self.q(x)))
+        return out
+
+
+class Moe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(HIDDEN, 3, bias=False)
+        self.experts = Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x).argmax(-1))
+
+
+class Sublayer(nn.Module):
+    """A T5 block's part: a norm, then attention or the MoE, residual."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(HIDDEN)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.inner(self.layer_norm(x))
+        return out
+
+
+class DeepBlock(nn.Module):
+    """T5's block: a ``ModuleList`` of sublayers (one class here, unlike below), three levels
+    above the layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList([Sublayer(AdaptedAttention()), Sublayer(Moe())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self.layer:
+            x = part(x)
+        return x
+
+
+class Body(nn.Module):
+    """Without parameters of its own, over a stack of `DeepBlock`s (a Transformers model's
+    body)."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(DeepBlock() for _ in range(blocks))
+
+
+class DeepModel(nn.Module):
+    def __init__(self, blocks: int = 2) -> None:
+        super().__init__()
+        self.body = Body(blocks)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.body.embed(tokens)
+        for block in self.body.blocks:
+            x = block(x)
+        return _loss(x @ self.body.embed.weight.t(), tokens)
+
+
+# each block twice: its trainable parameters and its frozen ones ([Note: module groups])
+DEEP_UNITS = ["body.embed", *(f"body.blocks.{i}" for i in (0, 0, 1, 1))]
+
+
+class ExpertMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, HIDDEN)
+        self.down = nn.Linear(HIDDEN, HIDDEN)
+
+
+class ListedExperts(nn.Module):
+    """A MoE block whose experts are a list of alike modules: a stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(HIDDEN, 2)
+        self.experts = nn.ModuleList(ExpertMlp() for _ in range(2))
+
+
 class TestFormation(DistributedTest):
     @ONE
     def test_blocks_are_units_and_the_root_and_containers_never(self, world_size: int) -> None:
@@ -144,6 +263,24 @@ class TestFormation(DistributedTest):
     ) -> None:
         handle = zpartition.partition(Nested(), config=ZeroParamConfig(**NOT_PERSISTENT))
         assert _unit_names(handle) == ["layer", "holder.owning", "holder.other"]
+        handle.remove()
+
+    @ONE
+    def test_blocks_group_at_any_depth_but_never_a_stack(self, world_size: int) -> None:
+        """A LoRA layer's ModuleDicts, a T5 block's ModuleList of sublayers, fused experts with
+        an activation child: one group per block; the body above the blocks' list is no group,
+        and a MoE block's list of alike experts is a stack, each expert a group."""
+        handle = zpartition.partition(DeepModel(), config=ZeroParamConfig(**NOT_PERSISTENT))
+        assert _unit_names(handle) == DEEP_UNITS
+        # a block's frozen base is a unit apart, the rest of the block the other
+        frozen = [u for u in handle.units if not u.trainable]
+        assert [(u.name, len(u.params)) for u in frozen] == [
+            ("body.blocks.0", 2),
+            ("body.blocks.1", 2),
+        ]
+        handle.remove()
+        handle = zpartition.partition(ListedExperts(), config=ZeroParamConfig(**NOT_PERSISTENT))
+        assert _unit_names(handle) == ["gate", "experts.0", "experts.1"]
         handle.remove()
 
     @ONE
@@ -188,6 +325,21 @@ class TestTraining(DistributedTest):
         # each was found as it was read, and registered with the module running: the root
         found = {id(p) for p in externals(model).values()}
         assert {id(_block(model, 0).up.weight), id(_block(model, 1).down.weight)} <= found
+
+    @pytest.mark.parametrize("world_size", [2])
+    def test_deep_blocks_train_as_plain(self, world_size: int) -> None:
+        """Blocks grouped through ModuleLists and ModuleDicts, frozen bases beside trainable
+        adapters, fused experts picked per token: the losses of plain PyTorch."""
+        torch.manual_seed(0)
+        built = DeepModel()
+        model = copy.deepcopy(built)
+        handle = zpartition.partition(model, config=ZeroParamConfig(**NOT_PERSISTENT))
+        assert _unit_names(handle) == DEEP_UNITS
+        data = batches(3, 4 * world_size)
+        losses = train_partitioned(model, handle.shard_parameters(), data, lr=0.1)
+        expected = reference_losses(built, data, lr=0.1)
+        assert len(set(expected)) == len(expected)  # it trains
+        assert losses == pytest.approx(expected, rel=1e-5)
 
     @pytest.mark.parametrize("world_size", [2])
     def test_externals_registered_inside_a_group_are_gathered_with_it(

@@ -534,10 +534,10 @@ def _build_units(
         mine = [p for p in params if p.ds_id not in owned and p.ds_id not in persistent_ids]
         mine = list({p.ds_id: p for p in mine}.values())
         own: list[Unit] = []
-        # a leaf's or group's frozen parameters apart, to be kept as codes ([Note: module
-        # groups]); a unit per module is one or the other already
-        split = whole and config.quantized_nontrainable_weights
-        for part in filter(None, _by_trainable(mine) if split else [mine]):
+        # a leaf's or group's frozen parameters apart ([Note: module groups]): a unit's
+        # backward ends when its last gradient arrives, before frozen layers beside it are
+        # done; and they can be kept as codes. A unit per module is one or the other already
+        for part in filter(None, _by_trainable(mine) if whole else [mine]):
             unit = new_unit(
                 channel.next_unit_id(), name or "<root>", part, channel, _device_of(part)
             )
