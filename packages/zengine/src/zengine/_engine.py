@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 import zcomm
 import zpartition
+from zengine import _checkpoint
 from zengine._config import EngineConfig
 from zengine._errors import UsageError
 from zengine._offload import IdleTrimmer, StateOffloader, memory_held, nvme_offloader, trim_heap
@@ -536,47 +537,20 @@ class Engine(nn.Module):
         return memory_held(self)
 
     # -- checkpoints (the _checkpoint subpackage) --------------------------------------------
-    # Its modules that import torch.distributed.checkpoint (about a second) load at first use.
+    # Its modules that import torch.distributed.checkpoint (about a second) load at first use
+    # (its names are looked up then: see its __init__). The public methods keep DeepSpeed's
+    # signatures; what they are given goes down as one options object.
 
-    def _write_checkpoint(
-        self,
-        save_dir: str | os.PathLike[str],
-        tag: str | None,
-        client_state: dict[str, Any] | None,
-        save_latest: bool,
-        exclude_frozen: bool,
-        universal: bool = False,
-    ) -> bool:
+    def _write_checkpoint(self, options: _checkpoint.SaveOptions) -> bool:
         """One directory per tag (the pipeline engine writes one per stage under it), and
-        with `universal` DeepSpeed's universal checkpoint of it beside it."""
-        from zengine import _checkpoint
-
-        return _checkpoint.save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen, universal=universal
-        )
+        with ``options.universal`` DeepSpeed's universal checkpoint of it beside it."""
+        return _checkpoint.save_checkpoint(self, options)
 
     def _read_checkpoint(
-        self,
-        load_dir: str | os.PathLike[str],
-        tag: str | None,
-        load_optimizer_states: bool,
-        load_lr_scheduler_states: bool,
-        *,
-        load_module_strict: bool,
-        load_module_only: bool,
+        self, options: _checkpoint.LoadOptions
     ) -> tuple[str | None, dict[str, Any] | None]:
         """The reader of `_write_checkpoint`'s files."""
-        from zengine import _checkpoint
-
-        return _checkpoint.load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_strict=load_module_strict,
-            load_module_only=load_module_only,
-        )
+        return _checkpoint.load_checkpoint(self, options)
 
     def save_checkpoint(
         self,
@@ -598,9 +572,10 @@ class Engine(nn.Module):
         self._trainer("save_checkpoint()")
         zcomm.set_activity("save_checkpoint", self.global_steps)
         self._offloaded.require(self, "save_checkpoint()", OffloadStateTypeEnum)
-        return self._write_checkpoint(
+        options = _checkpoint.SaveOptions(
             save_dir, tag, client_state, save_latest, exclude_frozen_parameters, universal
         )
+        return self._write_checkpoint(options)
 
     def load_checkpoint(
         self,
@@ -619,7 +594,7 @@ class Engine(nn.Module):
         optimizer (forward passes only: a trained model served at ZeRO-3). Collective."""
         zcomm.set_activity("load_checkpoint", self.global_steps)
         self._offloaded.require(self, "load_checkpoint()", OffloadStateTypeEnum)
-        return self._read_checkpoint(
+        options = _checkpoint.LoadOptions(
             load_dir,
             tag,
             load_optimizer_states,
@@ -627,6 +602,7 @@ class Engine(nn.Module):
             load_module_strict=load_module_strict,
             load_module_only=load_module_only,
         )
+        return self._read_checkpoint(options)
 
     def _get_optimizer_ckpt_name(
         self, checkpoints_path: str | os.PathLike[str], tag: str, expp_rank: int = 0
@@ -634,16 +610,12 @@ class Engine(nn.Module):
         """DeepSpeed's name: where its checkpoint ``checkpoints_path/tag`` keeps the optimizer
         state of expert-parallel rank `expp_rank` of an MoE model outside ZeRO. zstack has no
         expert parallelism and refuses to load a DeepSpeed checkpoint holding such files."""
-        from zengine import _checkpoint
-
         directory = os.path.join(checkpoints_path, str(tag))
         return str(_checkpoint.expert_optim_name(Path(directory), expp_rank))
 
     def _change_recovery_script_permissions(self, dst: str | os.PathLike[str]) -> None:
         """DeepSpeed's: make the ``zero_to_fp32.py`` at `dst` executable; a file system that
         refuses (a file share) is logged, not raised, as ``save_checkpoint`` does."""
-        from zengine import _checkpoint
-
         _checkpoint.change_permissions(dst)
 
     def save_16bit_model(
@@ -654,9 +626,7 @@ class Engine(nn.Module):
     ) -> bool:
         """Rank 0 writes the whole model's state dict in the compute dtype (at stage 3 only with
         ``stage3_gather_16bit_weights_on_model_save``; False otherwise). Collective."""
-        from zengine._checkpoint import save_16bit_model
-
-        return save_16bit_model(
+        return _checkpoint.save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters
         )
 
@@ -671,10 +641,8 @@ class Engine(nn.Module):
         """The whole model's state dict in the compute dtype, on the host, on rank 0 (empty on
         the others), gathered one module at a time: DeepSpeed's name, which Hugging Face
         Accelerate calls to save a ZeRO-3 model. Collective."""
-        from zengine._checkpoint import gathered_state
-
         rank = dist.get_rank(self.group)
-        return gathered_state(self, rank, exclude_frozen_parameters)
+        return _checkpoint.gathered_state(self, rank, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name
 

@@ -15,17 +15,14 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import torch
 
 import zcomm
+from zengine._config import EngineConfig
 
-if TYPE_CHECKING:
-    from zengine._config import EngineConfig
-    from zengine._engine import Engine
-
-__all__ = ["Progress", "peak_memory_bytes"]
+__all__ = ["Progress", "Stepping", "peak_memory_bytes"]
 
 log = logging.getLogger("zengine")
 if not log.handlers:  # like DeepSpeed's logger: progress shows without logging set up
@@ -48,10 +45,30 @@ def peak_memory_bytes() -> int:
     return 0
 
 
+class _Scaled(Protocol):
+    @property
+    def cur_scale(self) -> float: ...  # the fp16 loss scale (1.0 without)
+
+
+@runtime_checkable
+class Stepping(Protocol):
+    """What the progress line reads of an engine (`zengine.Engine` is one): progress sits
+    below the engine and never imports it."""
+
+    @property
+    def global_steps(self) -> int: ...
+    @property
+    def global_samples(self) -> int: ...
+    @property
+    def optimizer(self) -> _Scaled | None: ...
+
+    def get_lr(self) -> list[float]: ...
+
+
 class Progress:
     """Timers and the progress line of one engine."""
 
-    def __init__(self, engine: Engine, config: EngineConfig) -> None:
+    def __init__(self, engine: Stepping, config: EngineConfig) -> None:
         self.engine = engine
         self.every: int | float = config.steps_per_print  # inf: never
         self.breakdown = bool(config.wall_clock_breakdown)

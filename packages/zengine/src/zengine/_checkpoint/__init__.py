@@ -14,8 +14,10 @@ parameter name (_ds_checkpoint.py), a pipeline's stages merged
 (_ds_pipeline.py), the load (_ds_load.py); DeepSpeed's universal checkpoint written from ours
 (_universal_write.py, _universal_layout.py); torch files read without running code
 (_safe_load.py) and DCP's (_dcp_read.py), and what a client state may hold
-(_client_state.py). Its errors are in _errors.py. It reads the engine through its attributes
-and never imports it.
+(_client_state.py). Its errors are in _errors.py. A save's and a load's options are one object
+each (_options.py), made by the engine from its public arguments. It reads the engine through
+the attributes its Protocols declare (_engine_view.py) and never imports it, nor the
+optimizer or the pipeline, even for a type.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from zengine._checkpoint._errors import (
     UnsafeCheckpointError,
 )
 from zengine._checkpoint._files import resolve
+from zengine._checkpoint._options import LoadOptions, SaveOptions
 from zengine._checkpoint._recovery import change_permissions
 from zengine._checkpoint._safetensors import SafetensorsWriter, read_safetensors
 from zengine._checkpoint._safetensors_load import load_safetensors_into
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
     )
     from zengine._checkpoint._save_16bit import gathered_state, save_16bit_model
     from zengine._checkpoint._save_load import load_checkpoint, save_checkpoint
-    from zengine._checkpoint._stage_layout import StageLayout
+    from zengine._checkpoint._stage_layout import PipelineLayers, StageLayout
     from zengine._checkpoint._stages import load_stages, save_stages
     from zengine._checkpoint._universal_write import export_universal
 
@@ -63,7 +66,10 @@ __all__ = [
     "ClientStateError",
     "CorruptCheckpointError",
     "Entry",
+    "LoadOptions",
+    "PipelineLayers",
     "SafetensorsWriter",
+    "SaveOptions",
     "StageLayout",
     "Sync",
     "UnsafeCheckpointError",
@@ -102,7 +108,7 @@ _LAZY = {
     ),
     "_save_16bit": ("gathered_state", "save_16bit_model"),
     "_save_load": ("load_checkpoint", "save_checkpoint"),
-    "_stage_layout": ("StageLayout",),
+    "_stage_layout": ("PipelineLayers", "StageLayout"),
     "_stages": ("load_stages", "save_stages"),
     "_universal_write": ("export_universal",),
 }

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -27,11 +27,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from zengine._checkpoint._ds_checkpoint import DeepSpeedCheckpoint
 from zengine._checkpoint._ds_pipeline import DeepSpeedPipelineCheckpoint
+from zengine._checkpoint._engine_view import CheckpointEngine
 from zengine._checkpoint._errors import CheckpointError, CorruptCheckpointError
 from zengine._checkpoint._manifest import FORMAT, check, describe
+from zengine._checkpoint._options import LoadOptions
 from zengine._checkpoint._pieces import Piece
 from zengine._checkpoint._state import (
     PARAM_GROUPS,
+    after_load,
     apply_engine_state,
     apply_optimizer_objects,
     frozen_shards_in_memory,
@@ -41,15 +44,12 @@ from zengine._checkpoint._state import (
 )
 from zengine._checkpoint._sync import Sync
 
-if TYPE_CHECKING:
-    from zengine._engine import Engine
-
 __all__ = ["Source", "describe_deepspeed", "group_names", "load_deepspeed"]
 
 log = logging.getLogger("zengine")
 
 
-def group_names(engine: Engine) -> list[list[str]]:
+def group_names(engine: CheckpointEngine) -> list[list[str]]:
     """The trainable parameters' names in each optimizer group, in the optimizer's order."""
     if engine.optimizer is None:
         return []
@@ -61,7 +61,7 @@ Source = DeepSpeedCheckpoint | DeepSpeedPipelineCheckpoint
 
 
 def describe_deepspeed(
-    ck: Source, engine: Engine, only: Collection[str] | None = None
+    ck: Source, engine: CheckpointEngine, only: Collection[str] | None = None
 ) -> dict[str, Any]:
     """What `ck` is of, as zstack's manifest says it (see `_manifest.describe`), to be checked
     against the engine with the same errors; of the names in `only`, if given (a pipeline
@@ -138,7 +138,7 @@ def _steps(ck: Source, entries: dict[str, Any]) -> dict[str, Any]:
     return objects
 
 
-def _param_group_options(engine: Engine, ck: Source) -> list[dict[str, Any]]:
+def _param_group_options(engine: CheckpointEngine, ck: Source) -> list[dict[str, Any]]:
     """DeepSpeed's saved group options that the engine's optimizer also has (its "lr",
     "betas"...; not FusedAdam's own "bias_correction")."""
     groups = optimizer_of(engine).param_groups
@@ -146,7 +146,7 @@ def _param_group_options(engine: Engine, ck: Source) -> list[dict[str, Any]]:
     return [{k: v for k, v in s.items() if k in g} for s, g in zip(saved, groups, strict=True)]
 
 
-def _scaler_state(engine: Engine, ck: Source) -> dict[str, Any] | None:
+def _scaler_state(engine: CheckpointEngine, ck: Source) -> dict[str, Any] | None:
     scaler = optimizer_of(engine).loss_scaler
     saved = ck.loss_scaler()
     if scaler is None or saved is None:
@@ -156,21 +156,20 @@ def _scaler_state(engine: Engine, ck: Source) -> dict[str, Any] | None:
 
 
 def load_deepspeed(
-    engine: Engine,
+    engine: CheckpointEngine,
     sync: Sync,
     directory: Path,
+    options: LoadOptions,
     *,
-    load_optimizer_states: bool,
-    load_lr_scheduler_states: bool,
-    load_module_strict: bool,
-    load_module_only: bool,
     checkpoint: DeepSpeedPipelineCheckpoint | None = None,
     only: Collection[str] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Load DeepSpeed's checkpoint `directory` into `engine` (every rank of its data-parallel
-    group; see the module doc). A pipeline's stage passes the `checkpoint` every stage reads
-    and its own names, `only`."""
+    group; see the module doc) as `options` say (their directory and tag are resolved into
+    `directory` already). A pipeline's stage passes the `checkpoint` every stage reads and its
+    own names, `only`."""
     forward_only = engine.optimizer is None
+    load_optimizer_states = options.load_optimizer_states
     start = time.perf_counter()
     ck: Source | None = checkpoint
     error: CheckpointError | None = None
@@ -182,7 +181,7 @@ def load_deepspeed(
             engine,
             where=f"{directory} (DeepSpeed's)",
             optimizer=load_optimizer_states,
-            strict=load_module_strict,
+            strict=options.load_module_strict,
         )
     except CheckpointError as exc:
         error = exc
@@ -207,16 +206,10 @@ def load_deepspeed(
     except (CheckpointError, OSError, KeyError, IndexError, RuntimeError) as exc:
         failure = f"{type(exc).__name__}: {exc}"
     sync.agree(f"load_checkpoint({str(directory)!r}): reading", failure, CorruptCheckpointError)
-    if forward_only:
-        if engine.partitioned is not None:
-            engine.partitioned.release_all()  # the next forward gathers the loaded shards
-    else:
-        optimizer = optimizer_of(engine)
-        optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
-        optimizer.clear_grads()
+    after_load(engine)
     if load_optimizer_states:
         apply_optimizer_objects(engine, {PARAM_GROUPS: _param_group_options(engine, ck), **objects})
-    if not (load_module_only or forward_only):
+    if not (options.load_module_only or forward_only):
         counters = ck.counters()
         steps = counters["global_steps"]
         state = {
@@ -225,6 +218,6 @@ def load_deepspeed(
             "loss_scaler": _scaler_state(engine, ck),
             "lr_scheduler": ck.model_states.get("lr_scheduler"),
         }
-        apply_engine_state(engine, state, scheduler=load_lr_scheduler_states)
+        apply_engine_state(engine, state, scheduler=options.load_lr_scheduler_states)
     log.info("zengine: loaded %s in %.2f s", directory, time.perf_counter() - start)
     return str(directory), ck.client_state()

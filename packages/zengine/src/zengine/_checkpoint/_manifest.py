@@ -9,16 +9,14 @@ one error, rather than DCP's first missing key.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from zengine.__about__ import __version__
+from zengine._checkpoint._engine_view import CheckpointEngine
 from zengine._checkpoint._errors import CheckpointMismatchError
 from zengine._checkpoint._state import full_shape, persistent_buffers
-
-if TYPE_CHECKING:
-    from zengine._engine import Engine
 
 __all__ = ["FORMAT", "check", "check_format", "describe"]
 
@@ -28,14 +26,14 @@ _SHOWN = 8  # differences listed per kind before "and N more"
 log = logging.getLogger("zengine")
 
 
-def _groups(engine: Engine) -> dict[int, int]:
+def _groups(engine: CheckpointEngine) -> dict[int, int]:
     """id(param) -> index of its optimizer parameter group (none without an optimizer)."""
     if engine.optimizer is None:
         return {}
     return {id(p): g for g, params in enumerate(engine.optimizer.layout.params) for p in params}
 
 
-def describe(engine: Engine, exclude_frozen: bool = False) -> dict[str, Any]:
+def describe(engine: CheckpointEngine, exclude_frozen: bool = False) -> dict[str, Any]:
     """What a checkpoint of `engine` is of (the manifest, without the files); without its
     frozen parameters with `exclude_frozen`."""
     groups = _groups(engine)
@@ -152,7 +150,12 @@ def check_format(saved: dict[str, Any], where: str) -> None:
 
 
 def check(
-    saved: dict[str, Any], engine: Engine, *, where: str, optimizer: bool, strict: bool = True
+    saved: dict[str, Any],
+    engine: CheckpointEngine,
+    *,
+    where: str,
+    optimizer: bool,
+    strict: bool = True,
 ) -> None:
     """Raise `CheckpointMismatchError` listing what differs between the checkpoint's manifest
     and `engine`; log what differs but reshards (world size, stage, precision). Not `strict`

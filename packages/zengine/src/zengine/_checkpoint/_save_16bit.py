@@ -11,24 +11,23 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 import zpartition
+from zengine._checkpoint._engine_view import CheckpointEngine
 from zengine._checkpoint._safetensors import SafetensorsWriter
 from zengine._checkpoint._state import persistent_buffers
 from zengine._checkpoint._sync import Sync
-
-if TYPE_CHECKING:
-    from zengine._engine import Engine
 
 __all__ = ["gathered_state", "save_16bit_model"]
 
 log = logging.getLogger("zengine")
 
 
-def gathered_state(engine: Engine, rank: int, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+def gathered_state(
+    engine: CheckpointEngine, rank: int, exclude_frozen: bool
+) -> dict[str, torch.Tensor]:
     """The module's parameters (gathered module by module at stage 3) and buffers, on the
     host, on rank 0; empty elsewhere. A parameter under several names (tied weights) is
     gathered once and comes under each name, one tensor (as DeepSpeed's)."""
@@ -73,7 +72,7 @@ def _write(path: Path, state: dict[str, torch.Tensor]) -> None:
 
 
 def save_16bit_model(
-    engine: Engine,
+    engine: CheckpointEngine,
     save_dir: str | os.PathLike[str],
     save_filename: str = "pytorch_model.bin",
     *,

@@ -8,14 +8,14 @@ or absent]). Both calls are collective: every rank of the data-parallel group mu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zengine._checkpoint import _files as files
 from zengine._checkpoint._client_state import client_state_problem
@@ -23,6 +23,7 @@ from zengine._checkpoint._dcp import save_sharded
 from zengine._checkpoint._dcp_read import SafeFileSystemReader, load_entries
 from zengine._checkpoint._ds_files import resolve_deepspeed
 from zengine._checkpoint._ds_load import load_deepspeed
+from zengine._checkpoint._engine_view import CheckpointEngine
 from zengine._checkpoint._errors import (
     CheckpointError,
     CheckpointTagError,
@@ -30,10 +31,12 @@ from zengine._checkpoint._errors import (
     CorruptCheckpointError,
 )
 from zengine._checkpoint._manifest import check, describe
+from zengine._checkpoint._options import LoadOptions, SaveOptions
 from zengine._checkpoint._pieces import PieceLoadPlanner
 from zengine._checkpoint._recovery import write_recovery_script
 from zengine._checkpoint._state import (
     ENGINE,
+    after_load,
     apply_engine_state,
     apply_optimizer_objects,
     apply_rng,
@@ -48,9 +51,6 @@ from zengine._checkpoint._state import (
 )
 from zengine._checkpoint._sync import Sync
 
-if TYPE_CHECKING:
-    from zengine._engine import Engine
-
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger("zengine")
@@ -58,13 +58,13 @@ log = logging.getLogger("zengine")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
-def engine_sync(engine: Engine) -> Sync:
+def engine_sync(engine: CheckpointEngine) -> Sync:
     """The agreement of the engine's data-parallel group, within the config's timeout."""
     return Sync(engine.group, engine.config.checkpoint.timeout)
 
 
 def _agreed_tag(
-    engine: Engine, sync: Sync, save_dir: Any, tag: str, client_state: Any = None
+    engine: CheckpointEngine, sync: Sync, save_dir: Any, tag: str, client_state: Any = None
 ) -> str:
     """The tag every rank saves under: rank 0's. Every rank sees every rank's `save_dir`, tag
     and what is wrong with its `client_state`, so they all raise alike (no directory, as
@@ -103,26 +103,17 @@ def _agreed_tag(
     return tags[0]
 
 
-def save_checkpoint(
-    engine: Engine,
-    save_dir: str | os.PathLike[str],
-    tag: str | None = None,
-    client_state: dict[str, Any] | None = None,
-    save_latest: bool = True,
-    exclude_frozen_parameters: bool = False,
-    *,
-    universal: bool = False,
-    recovery_script: bool = True,
-) -> bool:
+def save_checkpoint(engine: CheckpointEngine, options: SaveOptions) -> bool:
     """Save everything training needs to resume exactly; every rank must call it. With
-    `exclude_frozen_parameters` the frozen parameters are left out (DeepSpeed's: a PEFT
+    ``exclude_frozen_parameters`` the frozen parameters are left out (DeepSpeed's: a PEFT
     adapter's checkpoint without the base model), to be loaded with ``load_module_strict=False``.
-    With `universal`, rank 0 then writes the saved checkpoint as DeepSpeed's universal checkpoint
-    in ``save_dir/<tag>_universal`` (and, with `save_latest`, ``save_dir/latest_universal``).
-    Rank 0 writes ``save_dir/zero_to_fp32.py`` as DeepSpeed does (see _recovery.py), unless
-    `recovery_script` is False (a pipeline's stage: its save_dir is not the one users run).
+    With ``universal``, rank 0 then writes the saved checkpoint as DeepSpeed's universal
+    checkpoint in ``save_dir/<tag>_universal`` (and, with ``save_latest``,
+    ``save_dir/latest_universal``). Rank 0 writes ``save_dir/zero_to_fp32.py`` as DeepSpeed does
+    (see _recovery.py), unless ``recovery_script`` is False (a pipeline's stage: its save_dir is
+    not the one users run).
 
-    `client_state` (each rank's own) may hold plain data only, since a checkpoint is loaded
+    ``client_state`` (each rank's own) may hold plain data only, since a checkpoint is loaded
     without running code: None, bool, int, float, str, bytes, tensors, ``torch.Size``,
     ``torch.dtype``, ``torch.device``, and lists, tuples and dicts (keys: None, bool, int,
     float, str) of them, exactly those types. Anything else (a sampler, a ``torch.Generator``, a
@@ -130,17 +121,18 @@ def save_checkpoint(
     `ClientStateError` naming the rank, where it is (``client_state['sampler']['gen']``) and
     its type (see _client_state.py).
 
-    A ``.partial`` folder in `save_dir` that a killed save of ours left (see [Note: a killed
+    A ``.partial`` folder in ``save_dir`` that a killed save of ours left (see [Note: a killed
     save's .partial folder]) is removed first, and logged."""
     sync = engine_sync(engine)
     sync.arrive("save_checkpoint")
     optimizer_of(engine).resident()  # offloaded to NVMe (offload_optimizer/param): read it back
+    save_dir = options.save_dir
     tag = _agreed_tag(
         engine,
         sync,
         save_dir,
-        str(tag) if tag is not None else f"global_step{engine.global_steps}",
-        client_state,
+        str(options.tag) if options.tag is not None else f"global_step{engine.global_steps}",
+        options.client_state,
     )
     root = Path(save_dir)
     partial = files.partial_dir(root, tag)
@@ -161,16 +153,7 @@ def save_checkpoint(
     sync.agree(f"save_checkpoint({str(root)!r}, tag={tag!r})", error)
     log.info("zengine: saving checkpoint %s to %s", tag, root)
     try:
-        _write(
-            engine,
-            sync,
-            partial,
-            root / tag,
-            client_state,
-            save_latest,
-            exclude_frozen_parameters,
-            recovery_script,
-        )
+        _write(engine, sync, partial, root / tag, options)
     except BaseException as exc:
         if sync.rank == 0:
             files.remove_quietly(partial)  # the last good checkpoint and `latest` stay as they were
@@ -184,8 +167,8 @@ def save_checkpoint(
         size / 2**20,
         time.perf_counter() - start,
     )
-    if universal:
-        _export_universal(sync, root / tag, save_latest)
+    if options.universal:
+        _export_universal(sync, root / tag, options.save_latest)
     return True
 
 
@@ -205,21 +188,15 @@ def _export_universal(sync: Sync, saved: Path, latest: bool) -> None:
 
 
 def _write(
-    engine: Engine,
-    sync: Sync,
-    partial: Path,
-    final: Path,
-    client_state: dict[str, Any] | None,
-    save_latest: bool,
-    exclude_frozen: bool,
-    recovery_script: bool,
+    engine: CheckpointEngine, sync: Sync, partial: Path, final: Path, options: SaveOptions
 ) -> None:
     where = f"save_checkpoint to {final}"
+    exclude_frozen = options.exclude_frozen_parameters
     with frozen_shards_in_memory(engine):
         state = {**model_entries(engine, exclude_frozen), **optimizer_entries(engine)}
         state[ENGINE] = engine_state(engine)
         state[rank_key(sync.rank, "rng")] = rng_state()
-        state[rank_key(sync.rank, "client_state")] = dict(client_state or {})
+        state[rank_key(sync.rank, "client_state")] = dict(options.client_state or {})
         save_sharded(state, partial, sync, what=where)
     log.info("zengine: shards written; checksumming")
     mine = {
@@ -232,71 +209,55 @@ def _write(
     error = None
     if sync.rank == 0:
         try:
-            if recovery_script:  # first: a save that cannot write it publishes nothing
+            if options.recovery_script:  # first: a save that cannot write it publishes nothing
                 write_recovery_script(final.parent)
-            _finish(engine, partial, final, written, save_latest, exclude_frozen)
+            _finish(engine, partial, final, written, options)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
     sync.agree(f"{where} (manifest, rename and '{files.LATEST}' on rank 0)", error)
 
 
 def _finish(
-    engine: Engine,
+    engine: CheckpointEngine,
     partial: Path,
     final: Path,
     written: dict[str, Any],
-    save_latest: bool,
-    exclude_frozen: bool,
+    options: SaveOptions,
 ) -> None:
     """Rank 0, once every rank's files are on disk: the manifest, the rename, ``latest``."""
     crc, size = files.checksum(partial / ".metadata")
     written[".metadata"] = {"crc32": crc, "bytes": size, "rank": 0}
-    manifest = {**describe(engine, exclude_frozen), "tag": final.name, "files": written}
+    described = describe(engine, options.exclude_frozen_parameters)
+    manifest = {**described, "tag": final.name, "files": written}
     files.write_atomic(partial / files.MANIFEST, json.dumps(manifest, indent=1).encode())
     (partial / files.PARTIAL_MARKER).unlink()  # complete: not for a later save to remove
     files.publish(partial, final)
-    if save_latest:
+    if options.save_latest:
         files.write_atomic(final.parent / files.LATEST, final.name.encode())
 
 
 def load_checkpoint(
-    engine: Engine,
-    load_dir: str | os.PathLike[str],
-    tag: str | None = None,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    *,
-    load_module_strict: bool = True,
-    load_module_only: bool = False,
-    verify: bool = True,
+    engine: CheckpointEngine, options: LoadOptions
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint saved at any world size and ZeRO stage, by zstack or by DeepSpeed (its
     own format or a universal one, see `load_deepspeed`); ``(path, client_state)``, or
-    ``(None, None)`` when `load_dir` holds no ``latest`` and no tag is given (DeepSpeed's).
-    `load_module_strict` False: parameters and buffers only one side has are skipped (the
-    model's keep their values); `load_module_only`: the weights alone, not the optimizer, the
+    ``(None, None)`` when ``load_dir`` holds no ``latest`` and no tag is given (DeepSpeed's).
+    ``load_module_strict`` False: parameters and buffers only one side has are skipped (the
+    model's keep their values); ``load_module_only``: the weights alone, not the optimizer, the
     schedule, the counters or the RNG (both DeepSpeed's). An engine without an optimizer (forward
-    passes only) loads the weights alone, whatever the flags say. Without `verify` the caller has
-    checked the files' CRCs already (a pipeline's stages)."""
+    passes only) loads the weights alone, whatever the options say. Without ``verify`` the caller
+    has checked the files' CRCs already (a pipeline's stages)."""
     forward_only = engine.optimizer is None
-    if load_module_only or forward_only:
-        load_optimizer_states = False
+    if options.load_module_only or forward_only:
+        options = dataclasses.replace(options, load_optimizer_states=False)
     sync = engine_sync(engine)
     sync.arrive("load_checkpoint")
     if not forward_only:
         optimizer_of(engine).resident()  # the tensors loaded into must be in memory, not on NVMe
-    root = Path(load_dir)
+    root, tag = Path(options.load_dir), options.tag
     deepspeed = resolve_deepspeed(root, tag, universal=engine.config.checkpoint.load_universal)
     if deepspeed is not None:
-        return load_deepspeed(
-            engine,
-            sync,
-            deepspeed,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_strict=load_module_strict,
-            load_module_only=load_module_only,
-        )
+        return load_deepspeed(engine, sync, deepspeed, options)
     if tag is None and not (root / files.MANIFEST).exists() and files.read_latest(root) is None:
         log.warning("zengine: no '%s' file in %s: no checkpoint loaded", files.LATEST, root)
         return None, None
@@ -309,28 +270,23 @@ def load_checkpoint(
             manifest,
             engine,
             where=str(directory),
-            optimizer=load_optimizer_states,
-            strict=load_module_strict,
+            optimizer=options.load_optimizer_states,
+            strict=options.load_module_strict,
         )
     except CheckpointError as exc:
         error = exc
     sync.agree("load_checkpoint", error)  # every rank sees the same files, or none goes on
-    if verify:
+    if options.verify:
         verify_files(sync, directory, manifest)
     log.info("zengine: loading checkpoint %s", directory)
-    loaded = _read(engine, sync, directory, manifest, load_optimizer_states)
-    if forward_only:
-        if engine.partitioned is not None:
-            engine.partitioned.release_all()  # the next forward gathers the loaded shards
-    else:
-        optimizer = optimizer_of(engine)
-        optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
-        optimizer.clear_grads()
-    if load_optimizer_states:
+    loaded = _read(engine, sync, directory, manifest, options.load_optimizer_states)
+    after_load(engine)
+    if options.load_optimizer_states:
         apply_optimizer_objects(engine, loaded)
     src = sync.rank % int(manifest["world_size"])
-    if not (load_module_only or forward_only):
-        apply_engine_state(engine, loaded[ENGINE], scheduler=load_lr_scheduler_states)
+    if not (options.load_module_only or forward_only):
+        scheduler = options.load_lr_scheduler_states
+        apply_engine_state(engine, loaded[ENGINE], scheduler=scheduler)
         apply_rng(loaded[rank_key(src, "rng")])
     log.info("zengine: loaded checkpoint %s in %.2f s", directory, time.perf_counter() - start)
     client: dict[str, Any] = loaded[rank_key(src, "client_state")]
@@ -350,7 +306,7 @@ def verify_files(sync: Sync, directory: Path, manifest: dict[str, Any]) -> None:
 
 
 def _read(
-    engine: Engine, sync: Sync, directory: Path, manifest: dict[str, Any], optimizer: bool
+    engine: CheckpointEngine, sync: Sync, directory: Path, manifest: dict[str, Any], optimizer: bool
 ) -> dict[str, Any]:
     src = sync.rank % int(manifest["world_size"])
     extras = [ENGINE, rank_key(src, "rng"), rank_key(src, "client_state")]
@@ -373,7 +329,7 @@ def _read(
 
 
 def read_entries(
-    engine: Engine,
+    engine: CheckpointEngine,
     sync: Sync,
     directory: Path,
     *,

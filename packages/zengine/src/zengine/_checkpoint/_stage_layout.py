@@ -15,9 +15,10 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zengine._checkpoint import _files as files
+from zengine._checkpoint._engine_view import StageEngine
 from zengine._checkpoint._errors import CorruptCheckpointError
 from zengine._checkpoint._manifest import (
     FORMAT,
@@ -27,10 +28,8 @@ from zengine._checkpoint._manifest import (
     param_differences,
 )
 
-if TYPE_CHECKING:
-    from zengine.pipe import PipelineEngine
-
 __all__ = [
+    "PipelineLayers",
     "StageLayout",
     "layout_path",
     "mismatches",
@@ -63,6 +62,19 @@ class StageLayout:
     layers: int
     chunks: int
     parts: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayers:
+    """What the pipeline engine adds to a save's or a load's options: what its module says of
+    its layers (pipe/_checkpoint.py makes it of the `PipelineModule`). `layout`: how it is
+    split (saved, and checked on load); `label`: a parameter's name as errors give it, with its
+    layer; `prefix`: the prefix of a layer's parameters' names by its global index (to read
+    DeepSpeed's layer files)."""
+
+    layout: StageLayout
+    label: Callable[[str], str]
+    prefix: Callable[[int], str]
 
 
 def write_layout(root: Path, tag: str, layout: StageLayout) -> None:
@@ -99,7 +111,7 @@ def names(description: dict[str, Any]) -> set[str]:
     return set(description["params"]) | set(description["buffers"])
 
 
-def stage_description(engine: PipelineEngine) -> dict[str, Any]:
+def stage_description(engine: StageEngine) -> dict[str, Any]:
     """What this stage's module holds, in the manifest's terms (`describe`), with its stage."""
     return {**describe(engine), "stage": engine.stage_id}
 

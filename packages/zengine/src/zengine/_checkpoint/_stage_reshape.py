@@ -13,26 +13,26 @@ when the stage count is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from zengine._checkpoint._engine_view import StageEngine
+from zengine._checkpoint._options import LoadOptions
 from zengine._checkpoint._save_load import engine_sync, read_entries, verify_files
 from zengine._checkpoint._stage_layout import owners, stage_dir
 from zengine._checkpoint._state import (
     ENGINE,
     PARAM_GROUPS,
+    after_load,
     apply_engine_state,
     apply_optimizer_objects,
     apply_rng,
     optimizer_of,
     rank_key,
 )
-from zengine._checkpoint._sync import Sync
-
-if TYPE_CHECKING:
-    from zengine.pipe import PipelineEngine
 
 __all__ = ["Sources", "load_stage", "sources"]
 
@@ -67,6 +67,11 @@ def sources(
     )
 
 
+def _takes(names: set[str], key: str) -> bool:
+    """Whether the state key `key` is of one of `names`."""
+    return _name_of(key) in names
+
+
 def _name_of(key: str) -> str:
     """The parameter or buffer a state key belongs to (see _state.py):
     ``master/<name>``, ``model/<name>``, ``optim/<name>/<state>``; "" for other keys."""
@@ -76,37 +81,19 @@ def _name_of(key: str) -> str:
     return rest if kind in ("master", "model") else ""
 
 
-def _read(
-    engine: PipelineEngine,
-    sync: Sync,
-    directory: Path,
-    take: set[str],
-    extras: list[str],
-    optimizer: bool,
-) -> dict[str, Any]:
-    """The entries of the names `take` and the objects `extras`, read from `directory` into
-    this rank's tensors."""
-    return read_entries(
-        engine,
-        sync,
-        directory,
-        optimizer=optimizer,
-        extras=extras,
-        keep=lambda key: _name_of(key) in take,
-    )
-
-
 def load_stage(
-    engine: PipelineEngine, src: Sources, optimizer: bool, scheduler: bool, *, verify: bool = True
+    engine: StageEngine, src: Sources, options: LoadOptions
 ) -> tuple[str, dict[str, Any]]:
-    """Load this stage from the old stages in `src`; ``(path, client_state)`` as
-    ``engine.load_checkpoint`` returns, the path the primary's directory. Without `verify`
-    the caller has checked the files' CRCs already."""
+    """Load this stage from the old stages in `src`, as `options` say (their directory and tag
+    are resolved into `src` already); ``(path, client_state)`` as ``engine.load_checkpoint``
+    returns, the path the primary's directory. Without ``options.verify`` the caller has
+    checked the files' CRCs already."""
+    optimizer = options.load_optimizer_states
     sync = engine_sync(engine)
     sync.arrive("load_checkpoint")
     optimizer_of(engine).resident()  # the tensors loaded into must be in memory, not on NVMe
     start = time.perf_counter()
-    for s in sorted(src.take) if verify else ():  # every file read is checked first
+    for s in sorted(src.take) if options.verify else ():  # every file read is checked first
         verify_files(sync, src.directories[s], src.manifests[s])
     rank = sync.rank % int(src.manifests[src.primary]["world_size"])
     extras = [ENGINE, rank_key(rank, "rng"), rank_key(rank, "client_state")]
@@ -120,14 +107,17 @@ def load_stage(
             len(src.take[s]),
             src.directories[s],
         )
+        # the entries of the names it takes, and from the primary the objects `extras`
         mine = extras if s == src.primary else []
-        loaded.update(_read(engine, sync, src.directories[s], src.take[s], mine, optimizer))
-    zero = optimizer_of(engine)
-    zero.layout.write_back()  # the masters into the parameters (all-gathers)
-    zero.clear_grads()
+        keep = functools.partial(_takes, src.take[s])
+        directory = src.directories[s]
+        loaded.update(
+            read_entries(engine, sync, directory, optimizer=optimizer, extras=mine, keep=keep)
+        )
+    after_load(engine)
     if optimizer:
         apply_optimizer_objects(engine, loaded)
-    apply_engine_state(engine, loaded[ENGINE], scheduler=scheduler)
+    apply_engine_state(engine, loaded[ENGINE], scheduler=options.load_lr_scheduler_states)
     apply_rng(loaded[rank_key(rank, "rng")])
     log.info(
         "zengine: stage %d loaded from %d saved stage(s) in %.2f s",

@@ -1,7 +1,8 @@
 """Checkpoints of a pipeline in stages: each stage a checkpoint of its own, one ``latest`` for
 all; a load into any number of stages, any partition of the same layers, any data-parallel size.
-The pipeline engine's save and load (zengine/pipe/_checkpoint.py) are these, given what the
-checkpoint records of the `PipelineModule`: its `StageLayout`, and its layers' names in errors.
+The pipeline engine's save and load (zengine/pipe/_checkpoint.py) are these, given the save's
+or the load's options and what the checkpoint records of the `PipelineModule`, its
+`PipelineLayers`: its `StageLayout`, and its layers' names in errors.
 
 The format, under ``save_dir``:
 
@@ -34,11 +35,11 @@ a stage that fails later (a read error) still fails the load on every stage.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import zcomm
 from zengine._checkpoint import _files as files
@@ -46,7 +47,9 @@ from zengine._checkpoint import _stage_reshape as reshape
 from zengine._checkpoint._ds_files import resolve_deepspeed
 from zengine._checkpoint._ds_load import group_names, load_deepspeed
 from zengine._checkpoint._ds_pipeline import DeepSpeedPipelineCheckpoint, is_pipeline
+from zengine._checkpoint._engine_view import StageEngine
 from zengine._checkpoint._errors import CheckpointError, CheckpointMismatchError
+from zengine._checkpoint._options import LoadOptions, SaveOptions
 from zengine._checkpoint._recovery import write_recovery_script
 from zengine._checkpoint._save_load import (
     engine_sync,
@@ -55,7 +58,7 @@ from zengine._checkpoint._save_load import (
     verify_files,
 )
 from zengine._checkpoint._stage_layout import (
-    StageLayout,
+    PipelineLayers,
     layout_path,
     mismatches,
     names,
@@ -69,9 +72,6 @@ from zengine._checkpoint._stage_reshape import Sources
 from zengine._checkpoint._state import persistent_buffers
 from zengine._checkpoint._sync import ERROR_KINDS, Sync
 
-if TYPE_CHECKING:
-    from zengine.pipe import PipelineEngine
-
 __all__ = ["load_stages", "save_stages"]
 
 T = TypeVar("T")
@@ -79,13 +79,13 @@ T = TypeVar("T")
 log = logging.getLogger("zengine")
 
 
-def _world(engine: PipelineEngine) -> Sync:
+def _world(engine: StageEngine) -> Sync:
     """Agreement over every rank of every stage."""
     return Sync(None, engine.config.checkpoint.timeout)
 
 
 def _on_every_stage(
-    engine: PipelineEngine, work: Callable[[], T], elsewhere: Callable[[list[int]], str]
+    engine: StageEngine, work: Callable[[], T], elsewhere: Callable[[list[int]], str]
 ) -> T:
     """`work` on this stage, then every stage learns which failed and why: a stage's own error
     is raised there, the others raise ``elsewhere(failed stages)`` followed by each failed
@@ -109,32 +109,26 @@ def _on_every_stage(
     return cast(T, result)
 
 
-def save_stages(
-    engine: PipelineEngine,
-    save_dir: str | os.PathLike[str],
-    tag: str | None,
-    client_state: dict[str, Any] | None,
-    save_latest: bool,
-    exclude_frozen_parameters: bool = False,
-    *,
-    layout: StageLayout,
-) -> bool:
-    """``engine.save_checkpoint`` of a pipeline engine whose module is laid out as `layout`."""
+def save_stages(engine: StageEngine, options: SaveOptions, layers: PipelineLayers) -> bool:
+    """``engine.save_checkpoint`` of a pipeline engine whose module's layers are `layers`:
+    each stage saves its own checkpoint under ``save_dir/stage<s>`` as `options` say, without
+    a ``latest`` or a ``zero_to_fp32.py`` of its own; rank 0 then writes the layout,
+    ``latest`` and ``zero_to_fp32.py`` for all."""
+    save_dir = options.save_dir
     if not save_dir:  # DeepSpeed's ValueError; Path("") would be the current directory
         raise ValueError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
     root = Path(save_dir)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tag = str(options.tag) if options.tag is not None else f"global_step{engine.global_steps}"
+    stage = dataclasses.replace(
+        options,
+        save_dir=stage_dir(root, engine.stage_id),
+        tag=tag,
+        save_latest=False,
+        recovery_script=False,
+    )
     _on_every_stage(
         engine,
-        lambda: save_checkpoint(
-            engine,
-            stage_dir(root, engine.stage_id),
-            tag,
-            client_state,
-            save_latest=False,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-            recovery_script=False,
-        ),
+        lambda: save_checkpoint(engine, stage),
         lambda failed: (
             f"save_checkpoint({str(root)!r}, tag={tag!r}): stage(s) {failed} failed to save; "
             f"'{files.LATEST}' still names the previous checkpoint"
@@ -143,8 +137,8 @@ def save_stages(
     problem = None
     if zcomm.get_rank() == 0:
         try:
-            write_layout(root, tag, layout)
-            if save_latest:
+            write_layout(root, tag, layers.layout)
+            if options.save_latest:
                 files.write_atomic(root / files.LATEST, tag.encode())
             write_recovery_script(root)
         except OSError as exc:
@@ -159,42 +153,24 @@ def save_stages(
 
 
 def load_stages(
-    engine: PipelineEngine,
-    load_dir: str | os.PathLike[str],
-    tag: str | None,
-    load_optimizer_states: bool,
-    load_lr_scheduler_states: bool,
-    *,
-    layout: StageLayout,
-    label: Callable[[str], str],
-    prefix: Callable[[int], str],
-    load_module_strict: bool = True,
-    load_module_only: bool = False,
+    engine: StageEngine, options: LoadOptions, layers: PipelineLayers
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """``engine.load_checkpoint`` of a pipeline engine whose module is laid out as `layout`;
-    `label` names a parameter in errors as the module knows it (with its layer), `prefix` the
-    names of a layer's parameters by its global index (to read DeepSpeed's layer files)."""
-    root = Path(load_dir)
-    deepspeed = resolve_deepspeed(root, tag)
+    """``engine.load_checkpoint`` of a pipeline engine whose module's layers are `layers`
+    (their layout checked against the checkpoint's, errors naming each parameter with its
+    layer, DeepSpeed's layer files found by each layer's names)."""
+    root = Path(options.load_dir)
+    deepspeed = resolve_deepspeed(root, options.tag)
     if deepspeed is not None:
-        return _load_deepspeed_stages(
-            engine,
-            deepspeed,
-            prefix,
-            label,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_strict=load_module_strict,
-            load_module_only=load_module_only,
-        )
+        return _load_deepspeed_stages(engine, deepspeed, options, layers)
+    tag = options.tag
     if tag is None:
         tag = files.read_latest(root)
         if tag is None:
             log.warning("zengine: no '%s' file in %s: no checkpoint loaded", files.LATEST, root)
             return None, None
     where = f"load_checkpoint({str(root)!r}, tag={tag!r})"
-    sources = _sources(engine, root, tag, load_optimizer_states, where, layout, label)
-    if sources is not None and (load_module_only or not load_module_strict):
+    sources = _sources(engine, root, tag, options.load_optimizer_states, where, layers)
+    if sources is not None and (options.load_module_only or not options.load_module_strict):
         raise CheckpointError(  # the same files on every stage: each raises it alike
             f"{where}: the checkpoint was saved with other stage boundaries; it loads with "
             "load_module_strict=True and load_module_only=False only"
@@ -207,22 +183,15 @@ def load_stages(
             "there); nothing was loaded"
         ),
     )
+    # every file was checked above, on every stage: none is read twice
+    stage = dataclasses.replace(
+        options, load_dir=stage_dir(root, engine.stage_id), tag=tag, verify=False
+    )
 
     def load() -> tuple[str | None, dict[str, Any] | None]:
         if sources is None:
-            return load_checkpoint(
-                engine,
-                stage_dir(root, engine.stage_id),
-                tag,
-                load_optimizer_states,
-                load_lr_scheduler_states,
-                load_module_strict=load_module_strict,
-                load_module_only=load_module_only,
-                verify=False,
-            )
-        return reshape.load_stage(
-            engine, sources, load_optimizer_states, load_lr_scheduler_states, verify=False
-        )
+            return load_checkpoint(engine, stage)
+        return reshape.load_stage(engine, sources, stage)
 
     # no stage trains on while another has not loaded
     return _on_every_stage(
@@ -236,11 +205,7 @@ def load_stages(
 
 
 def _load_deepspeed_stages(
-    engine: PipelineEngine,
-    directory: Path,
-    prefix: Callable[[int], str],
-    label: Callable[[str], str],
-    **options: bool,
+    engine: StageEngine, directory: Path, options: LoadOptions, layers: PipelineLayers
 ) -> tuple[str | None, dict[str, Any] | None]:
     """DeepSpeed's pipeline checkpoint `directory` into this pipeline: every stage reads its
     names from whichever saved stage holds them (see _ds_pipeline.py). A name the checkpoint has
@@ -255,7 +220,8 @@ def _load_deepspeed_stages(
                 f"{directory} was saved by DeepSpeed's engine, not its pipeline engine: load it "
                 "into an engine of the same model"
             )
-        ck = DeepSpeedPipelineCheckpoint(directory, prefix, {engine.stage_id: group_names(engine)})
+        stage_names = {engine.stage_id: group_names(engine)}
+        ck = DeepSpeedPipelineCheckpoint(directory, layers.prefix, stage_names)
     except CheckpointError as exc:
         error = exc
     world.agree(where, error)
@@ -266,15 +232,15 @@ def _load_deepspeed_stages(
     held = set().union(*pipe.gather(sorted(mine)))
     saved = ck.params.keys() | ck.frozen().keys() | ck.buffers().keys()
     extra = sorted(saved - held - ck.shared().keys())
-    if extra and options["load_module_strict"]:
+    if extra and options.load_module_strict:
         raise CheckpointMismatchError(
             f"{where}: DeepSpeed's checkpoint has what no stage of this pipeline has: "
-            f"{', '.join(label(n) for n in extra)}"
+            f"{', '.join(layers.label(n) for n in extra)}"
         )
     return _on_every_stage(
         engine,
         lambda: load_deepspeed(
-            engine, engine_sync(engine), directory, checkpoint=ck, only=mine, **options
+            engine, engine_sync(engine), directory, options, checkpoint=ck, only=mine
         ),
         lambda failed: (
             f"{where}: stage(s) {failed} failed to load (their error is raised there); this "
@@ -283,7 +249,7 @@ def _load_deepspeed_stages(
     )
 
 
-def _verify_stage(engine: PipelineEngine, root: Path, tag: str, sources: Sources | None) -> None:
+def _verify_stage(engine: StageEngine, root: Path, tag: str, sources: Sources | None) -> None:
     """Every file this stage will read against its CRC: its own directory (`sources` None)
     or its old stages'. Collective over the stage's data-parallel ranks."""
     sync = engine_sync(engine)
@@ -302,18 +268,12 @@ def _verify_stage(engine: PipelineEngine, root: Path, tag: str, sources: Sources
 
 
 def _sources(
-    engine: PipelineEngine,
-    root: Path,
-    tag: str,
-    optimizer: bool,
-    where: str,
-    current: StageLayout,
-    label: Callable[[str], str],
+    engine: StageEngine, root: Path, tag: str, optimizer: bool, where: str, layers: PipelineLayers
 ) -> Sources | None:
     """Where this stage loads from: None for its own saved directory (it holds exactly this
     stage's names, or the checkpoint has no layout), else the old stages to read. Collective
     over the world; raises alike on every rank when the checkpoint does not fit the module
-    (laid out as `current`)."""
+    (its `layers`)."""
     world = _world(engine)
     layout, saved, error = None, [], None
     try:
@@ -332,7 +292,7 @@ def _sources(
     now = sorted(pipe.gather(mine), key=lambda d: int(d["stage"]))
     # the same descriptions and files on every rank: every rank raises alike
     problems = mismatches(
-        layout, saved, now, layers=current.layers, label=label, optimizer=optimizer
+        layout, saved, now, layers=layers.layout.layers, label=layers.label, optimizer=optimizer
     )
     if problems:
         lines = "\n  ".join(problems)
@@ -348,6 +308,6 @@ def _sources(
         engine.num_stages,
         layout.stages,
         layout.parts,
-        engine.module.parts,
+        layers.layout.parts,
     )
     return reshape.sources(root, tag, saved, names(mine), engine.stage_id, engine.num_stages)

@@ -20,23 +20,21 @@ import contextlib
 import importlib
 import random
 from collections.abc import Collection, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, TensorStorageMetadata
 
+from zengine._checkpoint._engine_view import CheckpointEngine, CheckpointOptimizer
 from zengine._checkpoint._errors import CheckpointError
 from zengine._checkpoint._pieces import Piece
-
-if TYPE_CHECKING:
-    from zengine._engine import Engine
-    from zengine._optim import ZeroOptimizer
 
 __all__ = [
     "ENGINE",
     "PARAM_GROUPS",
+    "after_load",
     "apply_engine_state",
     "apply_rng",
     "engine_state",
@@ -53,7 +51,7 @@ ENGINE = "engine"
 PARAM_GROUPS = "optim/param_groups"
 
 
-def optimizer_of(engine: Engine) -> ZeroOptimizer:
+def optimizer_of(engine: CheckpointEngine) -> CheckpointOptimizer:
     """The optimizer whose state is saved or loaded. A forward-only engine never asks: it
     saves and loads its weights alone (the engine refuses the rest before coming here)."""
     if engine.optimizer is None:
@@ -62,6 +60,18 @@ def optimizer_of(engine: Engine) -> ZeroOptimizer:
             "the weights alone"
         )
     return engine.optimizer
+
+
+def after_load(engine: CheckpointEngine) -> None:
+    """What a load does once the entries are read: the loaded masters into the parameters and
+    no gradient left over; an engine without an optimizer (its shards read directly) releases
+    what is gathered, so that the next forward gathers the loaded shards."""
+    if engine.optimizer is None:
+        if engine.partitioned is not None:
+            engine.partitioned.release_all()
+        return
+    engine.optimizer.layout.write_back()  # the masters into the parameters (all-gathers)
+    engine.optimizer.clear_grads()
 
 
 def rank_key(rank: int, what: str) -> str:
@@ -91,7 +101,7 @@ def _valid(numel: int, param_offset: int, size: int) -> int:
 
 
 @contextlib.contextmanager
-def frozen_shards_in_memory(engine: Engine) -> Iterator[None]:
+def frozen_shards_in_memory(engine: CheckpointEngine) -> Iterator[None]:
     """The ZeRO-3 shards of frozen parameters in memory while a checkpoint reads or writes
     them, put away after: a shard kept as int8 codes (``zero_quantized_nontrainable_weights``)
     is dequantized into its storage, and quantized again after a load only if its values
@@ -114,7 +124,7 @@ def frozen_shards_in_memory(engine: Engine) -> Iterator[None]:
 
 
 def model_entries(
-    engine: Engine, exclude_frozen: bool = False, saved_masters: Collection[str] = ()
+    engine: CheckpointEngine, exclude_frozen: bool = False, saved_masters: Collection[str] = ()
 ) -> dict[str, Piece]:
     """The masters of trainable parameters, frozen parameters (not with `exclude_frozen`) and
     buffers, as this rank's pieces (views: written into on load). An engine without an
@@ -158,7 +168,7 @@ class _ParamState(NamedTuple):
     state: dict[Any, Any]  # the optimizer's state of `stepped`
 
 
-def _param_states(engine: Engine) -> Iterator[_ParamState]:
+def _param_states(engine: CheckpointEngine) -> Iterator[_ParamState]:
     """This rank's piece of every trainable parameter, with its optimizer state."""
     optimizer = optimizer_of(engine)
     parts, state = optimizer.partitions, optimizer.optimizer.state
@@ -174,7 +184,7 @@ def _param_states(engine: Engine) -> Iterator[_ParamState]:
         yield _ParamState(name, stepped, offset, param_offset, valid, size, state[stepped])
 
 
-def optimizer_entries(engine: Engine) -> dict[str, Any]:
+def optimizer_entries(engine: CheckpointEngine) -> dict[str, Any]:
     """This rank's optimizer state by parameter name (views of the live state)."""
     entries: dict[str, Any] = {}
     for ps in _param_states(engine):
@@ -191,7 +201,9 @@ def optimizer_entries(engine: Engine) -> dict[str, Any]:
     return entries
 
 
-def optimizer_destinations(engine: Engine, stored: Mapping[str, STORAGE_TYPES]) -> dict[str, Any]:
+def optimizer_destinations(
+    engine: CheckpointEngine, stored: Mapping[str, STORAGE_TYPES]
+) -> dict[str, Any]:
     """Where the checkpoint's optimizer state goes: the live state, created where the
     optimizer has not stepped yet (a fresh engine), shaped as `stored` (a checkpoint's DCP
     metadata by key) says."""
@@ -240,7 +252,7 @@ def _scalar(md: Any) -> bool:
     return not isinstance(md, TensorStorageMetadata) or len(md.size) == 0
 
 
-def apply_optimizer_objects(engine: Engine, loaded: dict[str, Any]) -> None:
+def apply_optimizer_objects(engine: CheckpointEngine, loaded: dict[str, Any]) -> None:
     """Put back what DCP loaded as objects (group options, non-tensor state)."""
     for g, options in zip(optimizer_of(engine).param_groups, loaded[PARAM_GROUPS], strict=True):
         g.update({k: v for k, v in options.items() if k != "params"})
@@ -255,7 +267,7 @@ def apply_optimizer_objects(engine: Engine, loaded: dict[str, Any]) -> None:
         ps.state.update(objects.get(ps.name, {}))
 
 
-def engine_state(engine: Engine) -> dict[str, Any]:
+def engine_state(engine: CheckpointEngine) -> dict[str, Any]:
     optimizer = optimizer_of(engine)
     scaler, scheduler = optimizer.loss_scaler, engine.lr_scheduler
     return {
@@ -268,7 +280,7 @@ def engine_state(engine: Engine) -> dict[str, Any]:
     }
 
 
-def apply_engine_state(engine: Engine, state: dict[str, Any], *, scheduler: bool) -> None:
+def apply_engine_state(engine: CheckpointEngine, state: dict[str, Any], *, scheduler: bool) -> None:
     engine.global_steps = int(state["global_steps"])
     engine.global_samples = int(state["global_samples"])
     engine.micro_steps = int(state["micro_steps"])

@@ -1,29 +1,31 @@
 """The pipeline engine's ``save_checkpoint`` and ``load_checkpoint``: a checkpoint in stages.
 
 The format, the save and the load into other stages and partitions are the checkpoint
-package's (zengine/_checkpoint/_stages.py); here is what they record of the `PipelineModule`:
-its layout (stages, layers, chunks, partition), and its layers in the names of parameters that
-do not fit.
+package's (zengine/_checkpoint/_stages.py); here is what they record of the `PipelineModule`,
+added to the engine's options: its layout (stages, layers, chunks, partition), and its layers
+in the names of parameters that do not fit (`PipelineLayers`). The checkpoint package's
+names are looked up at first use: its modules that import torch.distributed.checkpoint load
+then, not with the pipeline.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from zengine._checkpoint import StageLayout, load_stages, save_stages
+from zengine import _checkpoint
+from zengine._checkpoint import LoadOptions, SaveOptions
 from zengine.pipe._module import PipelineModule
 from zengine.pipe._specs import TiedLayerSpec
 
 if TYPE_CHECKING:
     from zengine.pipe._engine import PipelineEngine
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "pipeline_layers", "save_checkpoint"]
 
 
-def module_layout(module: PipelineModule) -> StageLayout:
-    return StageLayout(
+def module_layout(module: PipelineModule) -> _checkpoint.StageLayout:
+    return _checkpoint.StageLayout(
         module.num_stages, len(module._layer_specs), module.chunks, list(module.parts)
     )
 
@@ -60,44 +62,16 @@ def _prefixer(module: PipelineModule) -> Callable[[int], str]:
     return prefix
 
 
-def save_checkpoint(
-    engine: PipelineEngine,
-    save_dir: str | os.PathLike[str],
-    tag: str | None,
-    client_state: dict[str, Any] | None,
-    save_latest: bool,
-    exclude_frozen_parameters: bool = False,
-) -> bool:
-    return save_stages(
-        engine,
-        save_dir,
-        tag,
-        client_state,
-        save_latest,
-        exclude_frozen_parameters,
-        layout=module_layout(engine.module),
-    )
+def pipeline_layers(module: PipelineModule) -> _checkpoint.PipelineLayers:
+    """What a checkpoint records and says of `module`'s layers."""
+    return _checkpoint.PipelineLayers(module_layout(module), _labeller(module), _prefixer(module))
+
+
+def save_checkpoint(engine: PipelineEngine, options: SaveOptions) -> bool:
+    return _checkpoint.save_stages(engine, options, pipeline_layers(engine.module))
 
 
 def load_checkpoint(
-    engine: PipelineEngine,
-    load_dir: str | os.PathLike[str],
-    tag: str | None,
-    load_optimizer_states: bool,
-    load_lr_scheduler_states: bool,
-    *,
-    load_module_strict: bool = True,
-    load_module_only: bool = False,
+    engine: PipelineEngine, options: LoadOptions
 ) -> tuple[str | None, dict[str, Any] | None]:
-    return load_stages(
-        engine,
-        load_dir,
-        tag,
-        load_optimizer_states,
-        load_lr_scheduler_states,
-        layout=module_layout(engine.module),
-        label=_labeller(engine.module),
-        prefix=_prefixer(engine.module),
-        load_module_strict=load_module_strict,
-        load_module_only=load_module_only,
-    )
+    return _checkpoint.load_stages(engine, options, pipeline_layers(engine.module))

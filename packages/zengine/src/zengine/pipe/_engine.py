@@ -9,7 +9,6 @@ stage steps its own parameters.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,8 +19,10 @@ from torch import nn
 import zcomm
 import zpipe
 from zengine import _recompute as checkpointing
+from zengine._checkpoint import LoadOptions, SaveOptions
 from zengine._config import EngineConfig, PipelineConfig
 from zengine._engine import Engine
+from zengine.pipe import _checkpoint as stage_checkpoints
 from zengine.pipe._agreement import check_agreement
 from zengine.pipe._eager import EagerSends
 from zengine.pipe._errors import PipelineError
@@ -149,48 +150,17 @@ class PipelineEngine(Engine):
             return False
         return module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
 
-    def _write_checkpoint(
-        self,
-        save_dir: str | os.PathLike[str],
-        tag: str | None,
-        client_state: dict[str, Any] | None,
-        save_latest: bool,
-        exclude_frozen: bool,
-        universal: bool = False,
-    ) -> bool:
+    def _write_checkpoint(self, options: SaveOptions) -> bool:
         """One checkpoint per stage under one 'latest' (pipe/_checkpoint.py)."""
-        if universal:  # refused alike on every rank, before anything is written
+        if options.universal:  # refused alike on every rank, before anything is written
             raise ValueError(
                 "save_checkpoint(universal=True): DeepSpeed's universal checkpoint of a pipeline "
                 "(one checkpoint per stage) is not written yet; save without it"
             )
-        from zengine.pipe import _checkpoint  # at first use, as the base class's
+        return stage_checkpoints.save_checkpoint(self, options)
 
-        return _checkpoint.save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen
-        )
-
-    def _read_checkpoint(
-        self,
-        load_dir: str | os.PathLike[str],
-        tag: str | None,
-        load_optimizer_states: bool,
-        load_lr_scheduler_states: bool,
-        *,
-        load_module_strict: bool,
-        load_module_only: bool,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        from zengine.pipe import _checkpoint
-
-        return _checkpoint.load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_strict=load_module_strict,
-            load_module_only=load_module_only,
-        )
+    def _read_checkpoint(self, options: LoadOptions) -> tuple[str | None, dict[str, Any] | None]:
+        return stage_checkpoints.load_checkpoint(self, options)
 
     # -- DeepSpeed's pipeline accessors --------------------------------------------------------
 
