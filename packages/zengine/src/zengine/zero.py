@@ -1,16 +1,33 @@
 """``zengine.zero``: DeepSpeed's ``deepspeed.zero`` names, from zpartition, and
-``deepspeed.runtime.zero.unwrap_model_for_generation``."""
+``deepspeed.runtime.zero.unwrap_model_for_generation``.
+
+[Note: building beyond memory]
+zpartition's `Init` cuts each module's parameters as the module is built, so no rank holds the
+model whole; but the shards of the whole model still sit in host memory (2.3 B bf16
+parameters: 4.6 GB, more than the resident target of ZeRO-Infinity on a machine whose memory
+the model's state exceeds). So zengine's `Init`, given a config whose ``offload_param`` is on
+NVMe, hands zpartition a `NvmeShardStore` (zpartition knows stores, not configs or disks):
+each module's shard goes to its file as soon as the module is cut, `partition` moves the
+shards into its units one at a time (fetched, copied, evicted again), and `initialize` keeps
+the same store, so the files written while building are the ones training reads.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
+import torch.distributed as dist
+
+import zcomm
+import zpartition
+from zengine._config import AioConfig, ZeroConfig, read_config, read_section
 from zengine._engine import Engine
+from zengine._offload import NvmeShardStore, nvme_offloader
 from zpartition import (
     GatheredParameters,
-    Init,
     ZeroParamStatus,
     register_external_parameter,
     unregister_external_parameter,
@@ -27,6 +44,42 @@ __all__ = [
 
 
 _E = TypeVar("_E", bound=Engine)
+
+
+def _nvme_store(config: dict[str, Any] | str | Path | None) -> NvmeShardStore | None:
+    """The store of a config whose ``zero_optimization.offload_param`` is on NVMe, else None."""
+    if config is None:
+        return None
+    zero = read_section(config, "zero_optimization")
+    assert isinstance(zero, ZeroConfig)
+    settings = zero.offload_param
+    if settings.device != "nvme" or settings.nvme_path is None:
+        return None
+    aio = read_section(config, "aio") if "aio" in read_config(config) else None
+    assert aio is None or isinstance(aio, AioConfig)
+    if not dist.is_initialized():
+        zcomm.init_distributed()
+    return NvmeShardStore(
+        settings.nvme_path,
+        zcomm.get_rank(),
+        nvme_offloader(aio, "params"),
+        read_ahead=int(min(zero.stage3_prefetch_bucket_size, zero.sub_group_size)),
+    )
+
+
+class Init(zpartition.Init):
+    """zpartition's `Init`; with a config whose ``offload_param`` is on NVMe (and no
+    ``shard_store`` given) the shards go to NVMe files as modules are built ([Note: building
+    beyond memory]), and `initialize` trains from the same files."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        enabled = kwargs.get("enabled", True)
+        if enabled and kwargs.get("shard_store") is None:
+            config = kwargs.get("config_dict_or_path") or kwargs.get("config")
+            if config is None and len(args) >= 5:  # DeepSpeed's positional order
+                config = args[4]
+            kwargs["shard_store"] = _nvme_store(config)
+        super().__init__(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from zpartition._hybrid import hybrid_groups, replicas_for
 from zpartition._init_writes import let_go, start, stop, suspended
 from zpartition._partitioned import convert_module
 from zpartition._secondary import check_secondary_size
+from zpartition._store import ShardStore
 
 __all__ = ["Init"]
 
@@ -231,6 +232,10 @@ class Init:
             ``zero_optimization.mics_shard_size`` makes them (`hybrid_groups`), as DeepSpeed's
             ``MiCS_Init`` does: a model a Trainer builds under ``zero.Init`` from its DeepSpeed
             config is then sharded as the engine will expect.
+        shard_store: zstack's: where each module's shard goes as soon as it is cut (a
+            `ShardStore`; zengine's ``zero.Init`` passes its NVMe store when the config's
+            ``offload_param`` is on NVMe), so a model larger than host memory is built a
+            module at a time; `partition` keeps the shards in the same store.
 
     A config's ``zero_optimization.zero_hpz_partition_size`` (ZeRO++'s hpZ; zpartition's
     ``ZeroParamConfig.secondary_partition_size``) is checked here as `partition` checks it (it
@@ -259,8 +264,10 @@ class Init:
         zero_quantized_nontrainable_weights: bool = False,
         sync_module_states: bool = True,
         replicate_group: dist.ProcessGroup | None = None,
+        shard_store: ShardStore | None = None,
     ) -> None:
         self.enabled = enabled
+        self.shard_store = shard_store
         self.sync = sync_module_states
         if enabled and data_parallel_group is None and replicate_group is None:
             if not dist.is_initialized():
@@ -348,7 +355,7 @@ class Init:
         if not params:
             return
         channel = channel_for(self.group)
-        new_unit(
+        unit = new_unit(
             channel.next_unit_id(),
             type(module).__name__,
             params,
@@ -356,3 +363,6 @@ class Init:
             params[0].device,
             self.replicate,
         )
+        if self.shard_store is not None:  # away at once: the model is never whole in memory
+            unit.store = self.shard_store
+            unit.put_away()

@@ -381,7 +381,6 @@ class Unit:
         self.numel = sum(int(p.ds_numel) for p in self.params)
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self._gathered_version = -1  # the shards' version at the last refresh
-        self.store: ShardStore | None = None  # where the shard waits while released, if away
         # the shard kept as int8 codes instead: [Note: quantized frozen weights]
         self.codes: StoredCodes | None = None
         # the ranks holding the same chunks in the other shard groups: GatheredParameters'
@@ -392,6 +391,7 @@ class Unit:
         self.journal: list[ZeroParameter] | None = None
         world = channel.size
         self.chunks = [math.ceil(int(p.ds_numel) / world) for p in self.params]
+        self.store: ShardStore | None = None  # where the shard waits while released, if away
         self._build_shard()
         # one rank with the shard on the compute device: the shard is the full data
         self.direct = world == 1 and self.shard.device == device
@@ -415,6 +415,7 @@ class Unit:
             p.ds_unit = self
             p.ds_status = _NOT_AVAILABLE
             p.ds_active_sub_modules = self.users
+        self.put_away()  # with a store (inherited from `Init`'s units): away at once
 
     # -- storage ---------------------------------------------------------------------------
 
@@ -424,6 +425,12 @@ class Unit:
         for p, c in zip(self.params, self.chunks, strict=True):
             offsets.append(end)
             end = _aligned(end + c * p.element_size())
+        # units built under `Init` whose shards wait in a store: fetched to be copied here, and
+        # this unit's shard goes to the same store once built (`Init`'s ``shard_store``)
+        old = {id(u): u for p in self.params if (u := getattr(p, "ds_unit", None)) is not None}
+        stored = [u for u in old.values() if u.store is not None and u.codes is None]
+        fetch_shards(stored)
+        self.store = stored[0].store if stored else None
         first = self.params[0].ds_tensor if self.params else torch.empty(0)
         self.shard = torch.zeros(
             end, dtype=torch.uint8, device=first.device, pin_memory=first.is_pinned()
@@ -439,6 +446,15 @@ class Unit:
             p.ds_tensor = shard
             watch(shard)  # a fused optimizer's step must count as a change (_stepped.py)
             self.bound.append((p.__dict__, shard))
+        mine = {id(p) for p in self.params}
+        for u in stored:
+            if any(id(q) not in mine and q.ds_unit is u for q in u.params):
+                u.put_away()  # some of its parameters still wait for their new unit
+                continue
+            discard = getattr(u.store, "discard", None)  # optional in the protocol
+            if discard is not None:
+                discard(u.shard)
+            u.shard.untyped_storage().resize_(0)  # every parameter moved out: not kept twice
 
     def _build_wire(self) -> None:
         """Where each parameter's chunk lies in the wire copy of the shard (in its narrow

@@ -215,13 +215,16 @@ def shards_to_nvme(
     assert settings.nvme_path is not None  # the config requires it with nvme
     shards = sum(u.shard.untyped_storage().nbytes() for u in handle.units if not u.persistent)
     agree_on_folders([(settings.nvme_path, shards)], None, "offload_param to NVMe")
-    store = NvmeShardStore(
-        settings.nvme_path,
-        zcomm.get_rank(),
-        nvme_offloader(cfg.aio, "params"),
-        # never more than a tile of the step ahead: a tiled step holds a few tiles at most
-        read_ahead=int(min(zero.stage3_prefetch_bucket_size, zero.sub_group_size)),
-    )
+    # never more than a tile of the step ahead: a tiled step holds a few tiles at most
+    read_ahead = int(min(zero.stage3_prefetch_bucket_size, zero.sub_group_size))
+    # built under zengine's zero.Init with this config: its store holds the shards already
+    found = [u.store for u in handle.units if isinstance(u.store, NvmeShardStore)]
+    store = found[0] if found else None
+    if store is None:
+        store = NvmeShardStore(
+            settings.nvme_path, zcomm.get_rank(), nvme_offloader(cfg.aio, "params"), read_ahead
+        )
+    store.read_ahead = read_ahead
     handle.set_shard_store(store)
     if layout is not None:
         layout.shard_store = store

@@ -64,6 +64,7 @@ class NvmeShardStore:
         self._context: tuple[int, int] = (0, 0)  # the last two shards fetched (ids)
         self._after_two: dict[tuple[int, int], int] = {}  # context -> the shard fetched next
         self._after_one: dict[int, int] = {}  # the last shard -> the shard fetched next
+        self._ahead: list[int] = []  # shards read ahead and not asked for since (ids)
         # the files go when the store does, or at exit, whichever comes first
         self._remove = weakref.finalize(self, zoffload.release_folder, self.folder)
 
@@ -90,6 +91,24 @@ class NvmeShardStore:
             return
         self._held[id(shard)] = (handle, shard._version)
 
+    def discard(self, shard: torch.Tensor) -> None:
+        """Forget `shard` (zpartition moved its bytes into another unit's shard, `Init`'s
+        units to `partition`'s): its file goes, and the store no longer keeps it alive."""
+        held = self._held.pop(id(shard), None)
+        # the order learned names shards by id, which a new shard may take: start over
+        self._after_two.clear()
+        self._after_one.clear()
+        self._context = (0, 0)
+        self._ahead.clear()
+        if held is None:
+            return
+        handle = held[0]
+        with contextlib.suppress(zoffload.OffloadError):  # the bytes are in memory already
+            handle.wait()
+            if handle.offloaded:
+                handle.reload()
+            handle.discard_copy()
+
     def take_failure(self) -> zoffload.OffloadError | None:
         """The write failure noted since the last call, and forget it ([Note: NVMe faults
         agreed])."""
@@ -101,6 +120,8 @@ class NvmeShardStore:
         for shard in shards:
             self._after_two[self._context] = self._after_one[self._context[1]] = id(shard)
             self._context = (self._context[1], id(shard))
+        asked = {id(s) for s in shards}
+        self._ahead = [key for key in self._ahead if key not in asked]
         self._read_ahead()
         for handle in coming:
             handle.wait()
@@ -116,17 +137,38 @@ class NvmeShardStore:
         return None if handle.state == "resident" else handle
 
     def _read_ahead(self) -> None:
-        """[Note: reading shards ahead]"""
-        context, budget, seen = self._context, self.read_ahead, set()
+        """[Note: reading shards ahead] The shards read ahead and still not asked for are at
+        most ``read_ahead`` elements: those the new guess leaves out go back (unchanged, they
+        are not written), so a wrong guess (the first backward follows the forward's order)
+        never holds more than that."""
+        context, budget, seen, wanted = self._context, self.read_ahead, set(), []
         while budget > 0 and context not in seen:
             seen.add(context)
             key = self._after_two.get(context, self._after_one.get(context[1]))
             held = None if key is None else self._held.get(key)
             if key is None or held is None:
                 break
-            self._reload(key)
+            wanted.append(key)
             budget -= held[0].nbytes // held[0].tensors["shard"].element_size()
             context = (context[1], key)
+        for key in self._ahead:
+            if key not in wanted:
+                self._put_back(key)
+        self._ahead = [key for key in wanted if self._reload(key) is not None or key in self._ahead]
+
+    def _put_back(self, key: int) -> None:
+        """A shard read ahead and not asked for: away again (its file holds its bytes)."""
+        held = self._held.get(key)
+        if held is None:
+            return
+        handle = held[0]
+        try:
+            handle.wait()
+            if handle.state == "resident":
+                handle.offload(rewrite=False)
+        except zoffload.OffloadError as error:  # kept in memory; agreed at the next step
+            if self._failure is None:
+                self._failure = error
 
     def close(self) -> None:
         """Remove the files (the engine is done with the shards)."""

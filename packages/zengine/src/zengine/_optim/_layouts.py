@@ -33,7 +33,7 @@ from torch import nn
 
 import zcomm
 import zpartition
-from zengine._offload import NvmeShardStore
+from zengine._offload import GradientSwap, NvmeShardStore
 from zengine._optim._grad_buckets import GradBuckets
 from zengine._optim._partitions import Partitions
 from zpartition import ZeroParameter
@@ -303,9 +303,9 @@ class FlatLayout:
     def after_step(self) -> None:
         pass
 
-    def read_back(self) -> None:
+    def read_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """The parameters into this rank's masters, the inverse of `write_back` (nothing to do
-        when the fp32 parameters are their own masters)."""
+        when the fp32 parameters are their own masters); all of them (no tiles here)."""
         if self.aliased:
             return
         for g, flat in enumerate(self.flats):
@@ -358,6 +358,13 @@ class ShardedLayout:
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._tiles = self._cut(sub_group_size, every)
         tile_of = {id(p): k for k, tile in enumerate(self._tiles) for p in tile}
+        self._tile_of = tile_of
+        # offload_optimizer to NVMe in tiles: each tile's gradients go to a file once final, in
+        # the boundary's backward ([Note: gradients beyond memory]); set by the optimizer
+        self.grad_swap: GradientSwap | None = None
+        self._swapping = False  # in a boundary's backward, with `grad_swap`
+        self._arrived: list[set[int]] = []  # per tile, ids of parameters whose gradient came
+        self._needed: list[int] = []  # per tile, the arrivals that complete it
         rank = dist.get_rank(group)
         pieces = [
             [(p, rank * p.ds_tensor.numel(), p.ds_tensor.numel()) for p in g] for g in self.params
@@ -395,7 +402,12 @@ class ShardedLayout:
         self.all_reduce_replicas: Callable[[Sequence[torch.Tensor]], None] | None = None
         # the partitioned model, whose backward passes hold or reduce the gradients
         self.model: zpartition.Partitioned | None = None
-        self.read_back()
+        # masters of their own for NVMe (offload_optimizer): read from the shards tile by tile
+        # as the swapper first writes them out (`ZeroOptimizer.swap_out_states`), so they are
+        # never all in memory at once ([Note: building beyond memory] in zengine.zero)
+        self.masters_unread = own_masters and not self.aliased
+        if not self.masters_unread:
+            self.read_back()
 
     def _cut(self, numel: int, every: list[ZeroParameter]) -> list[list[nn.Parameter]]:
         """[Note: tiled steps] The parameters in their order (group by group, as the gradients
@@ -451,11 +463,50 @@ class ShardedLayout:
         chosen = grads if picked is None else [grads[i] for i in picked]
         if not chosen:
             return
+        swap = self.grad_swap if self._swapping else None
+        if swap is not None:
+            chosen_params = params if picked is None else [params[i] for i in picked]
+            masters = list(masters)
+            for i, p in enumerate(chosen_params):
+                k = self._tile_of.get(id(p))
+                if k is None or not swap.away[k]:
+                    continue
+                aside = swap.late_target(id(p))
+                if aside is not None:
+                    masters[i] = aside  # a persistent parameter's, its tile on disk
+                else:
+                    swap.fetch(k)  # a second gradient after the tile went out: back first
         if device is not None and chosen[0].device == device:
             torch._foreach_add_(masters, list(chosen))
-            return
-        for mine, grad in zip(masters, chosen, strict=True):
-            _add_into(mine, grad)
+        else:
+            for mine, grad in zip(masters, chosen, strict=True):
+                _add_into(mine, grad)
+        if swap is not None:
+            self._note_arrived(params, swap)
+
+    def _note_arrived(self, params: Sequence[nn.Parameter], swap: GradientSwap) -> None:
+        """[Note: gradients beyond memory] A tile whose every gradient has arrived goes out."""
+        for p in params:
+            k = self._tile_of.get(id(p))
+            if k is None:
+                continue
+            arrived = self._arrived[k]
+            arrived.add(id(p))
+            if len(arrived) >= self._needed[k]:
+                swap.put_away(k, self._late(k))
+
+    def _late(self, k: int) -> dict[int, torch.Tensor]:
+        """Tile `k`'s persistent parameters whose gradients have not arrived: their views."""
+        arrived = self._arrived[k]
+        return {
+            id(p): self._grads[id(p)]  # type: ignore[misc]
+            for p in self._tiles[k]
+            if id(p) not in arrived and self._persistent(p)
+        }
+
+    def _persistent(self, p: nn.Parameter) -> bool:
+        unit = self._unit_of.get(id(p))
+        return unit is not None and unit.persistent
 
     def _sink_target(self, params: Sequence[nn.Parameter]) -> _SinkTarget:
         """(`params`, the indices of those with a master (None: all), their masters, and the
@@ -472,6 +523,11 @@ class ShardedLayout:
             # node-local accumulation reduces across the nodes in the boundary's backward
             # (with replicas and this sink, zpartition leaves that to `after_backward`)
             self.model.set_requires_all_reduce(boundary)
+        self._swapping = boundary and self.grad_swap is not None
+        if self._swapping:
+            self._arrived = [set() for _ in self._tiles]
+            # a tile goes out once its parameters outside the persistent unit have arrived
+            self._needed = [sum(not self._persistent(p) for p in tile) for tile in self._tiles]
         if boundary and self.shard_store is not None and len(self._tiles) == 1:
             # offload_param to NVMe: the step needs every shard right after this backward, so
             # the shards its modules release stay in memory instead of a write-free trip to
@@ -479,6 +535,10 @@ class ShardedLayout:
             self.shard_store.holding = True
 
     def after_backward(self, boundary: bool) -> None:
+        if self._swapping and self.grad_swap is not None:
+            self._swapping = False
+            for k in range(len(self._tiles)):  # tiles with a parameter that had no gradient
+                self.grad_swap.put_away(k, self._late(k))
         # zpartition reduced the gradients within the shard group during backward; with
         # replicas, what the accumulation gathered crosses the replicate group once, now
         if boundary and self.all_reduce_replicas is not None:
@@ -539,11 +599,23 @@ class ShardedLayout:
         if pairs:
             self._copy([m for _, m in pairs], [s for s, _ in pairs])  # type: ignore[misc]
 
-    def read_back(self) -> None:
-        """The shards into the masters, the inverse of `write_back` (nothing to do when the
-        fp32 shards are their own masters)."""
-        if not self.aliased:
-            self._copy(self._masters, self._shards)  # type: ignore[arg-type]
+    def read_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
+        """The shards (of these parameters, or all) into the masters, the inverse of
+        `write_back` (nothing to do when the fp32 shards are their own masters); a tile at a
+        time, the shards a store keeps fetched for it and put back after."""
+        if self.aliased:
+            return
+        if params is None:
+            self.masters_unread = False
+        for tile in self._tiles if params is None else [params]:
+            units = [u for u in self._units_of(tile) or [] if u.store is not None]
+            for u in units:
+                u.bring_in()
+            pairs = [self._pair_of[id(p)] for p in tile]
+            self._copy([m for _, m in pairs], [s for s, _ in pairs])  # type: ignore[misc]
+            for u in units:
+                if u.status is zpartition.ZeroParamStatus.NOT_AVAILABLE:
+                    u.put_away()
 
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """The updated masters (of these parameters, or all) into the shards; with offload_param

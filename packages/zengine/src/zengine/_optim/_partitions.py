@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from zoffload import release_pages
+
 __all__ = ["Fragment", "Partitions"]
 
 
@@ -64,7 +66,11 @@ class Partitions:
         self.fp32_partitions_flat: torch.Tensor | None = (
             torch.zeros(total, dtype=torch.float32, device=device) if owned else None
         )  # the masters, when they are a copy of their own
-        self.grad_partitions_flat_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
+        # zeroed by handing its pages back: the pages a backward writes become resident, not
+        # the whole buffer at once (a tiled NVMe step keeps a few tiles: [Note: gradients
+        # beyond memory])
+        self.grad_partitions_flat_buffer = torch.empty(total, dtype=grad_dtype, device=device)
+        release_pages(self.grad_partitions_flat_buffer)  # a device's is zeroed
         # stage 3: id(param) -> its master, and the tensor the optimizer steps that holds it
         self.shards = None if shards is None else {k: m for k, (m, _) in shards.items()}
         self._stepped_of = None if shards is None else {k: t for k, (_, t) in shards.items()}

@@ -19,11 +19,17 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._offload import NvmeStateSwapper, agree_on_swaps, zero_releasing_pages
+from zengine._offload import (
+    GradientSwap,
+    NvmeStateSwapper,
+    agree_on_swaps,
+    zero_releasing_pages,
+)
 from zengine._optim._deepspeed_views import DeepSpeedViews
 from zengine._optim._layouts import ShardedLayout
 from zengine._optim._loss_scaler import LossScalerBase
 from zengine._optim._partitions import Partitions
+from zoffload import release_pages
 
 __all__ = ["Layout", "ZeroOptimizer"]
 
@@ -53,7 +59,7 @@ class Layout(Protocol):
     def tiles(self) -> list[list[nn.Parameter]] | None: ...
     def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
-    def read_back(self) -> None: ...
+    def read_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
     def after_step(self) -> None: ...
     def remove(self) -> None: ...
 
@@ -124,6 +130,9 @@ class ZeroOptimizer(DeepSpeedViews):
         # stage 3: `zero_grad` was called since the last backward ([Note: zero_grad at stage 3])
         self._zero_at_backward = False
         self.swapper: NvmeStateSwapper | None = None  # offload_optimizer to NVMe, else None
+        # with it and tiles: the gradients on NVMe between backward and step ([Note: gradients
+        # beyond memory]); set with the swapper's first writes
+        self.grad_swap: GradientSwap | None = None
 
     def _tiles_of(self, tiles: list[list[nn.Parameter]] | None) -> list[_Tile]:
         """[Note: tiled steps]"""
@@ -144,9 +153,51 @@ class ZeroOptimizer(DeepSpeedViews):
     # -- the state on NVMe between steps (offload_optimizer) ---------------------------------
 
     def swap_out_states(self) -> None:
-        """With NVMe offload, write the masters and the state out (after a step, at start)."""
-        if self.swapper is not None:
-            self.swapper.swap_out()
+        """With NVMe offload, write the masters and the state out (after a step, at start).
+        At start the masters not read from the shards yet are read a tile at a time, each
+        written out before the one after the next is read (two tiles in memory at most)."""
+        if self.swapper is None:
+            return
+        self._swap_grads()
+        if getattr(self.layout, "masters_unread", False):
+            for k, tile in enumerate(self._tiles):
+                self.layout.read_back(tile.params)
+                self.swapper.swap_out(k)
+                self.swapper.written(k - 1)
+            self.layout.masters_unread = False  # type: ignore[attr-defined]
+        self.swapper.swap_out()
+
+    def _swap_grads(self) -> None:
+        """[Note: gradients beyond memory] With the state on NVMe in tiles (stage 3, no
+        replicas to all-reduce the gradients with after the backward), each tile's gradients
+        go to a file of their own once final."""
+        layout = self.layout
+        if (
+            self.grad_swap is not None
+            or self.swapper is None
+            or len(self._tiles) < 2
+            or not isinstance(layout, ShardedLayout)
+            or layout.all_reduce_replicas is not None
+        ):
+            return
+        buffer = self.partitions.grad_partitions_flat_buffer
+        slices = []
+        for tile in self._tiles:
+            grads = [g for _, g in tile.stepped]
+            if not grads:
+                return
+            lo = min(g.storage_offset() for g in grads) - buffer.storage_offset()
+            hi = max(g.storage_offset() + g.numel() for g in grads) - buffer.storage_offset()
+            if hi - lo != sum(g.numel() for g in grads):
+                return  # not one run of the buffer: the gradients stay in memory
+            slices.append(buffer[lo:hi])
+        self.grad_swap = layout.grad_swap = GradientSwap(self.swapper.path, slices)
+
+    def _masters_read(self) -> None:
+        """The masters read from the shards, if they were left for the swapper (which was
+        never set: then all at once)."""
+        if getattr(self.layout, "masters_unread", False):
+            self.layout.read_back()
 
     def prefetch_states(self) -> None:
         """With NVMe offload, start reading the state of the step's first tile back (at the
@@ -159,6 +210,9 @@ class ZeroOptimizer(DeepSpeedViews):
         out); they stay in until the next step writes them out again."""
         if self.swapper is not None:
             self.swapper.swap_in()
+        if self.grad_swap is not None:
+            self.grad_swap.fetch_all()  # in memory until the step (they are read here)
+        self._masters_read()
         self.layout.before_step()  # offload_param to NVMe: the shards (masters, if aliased)
         return self
 
@@ -208,7 +262,12 @@ class ZeroOptimizer(DeepSpeedViews):
         on CPU hands its pages back until the next backward writes them, as freed gradients
         would be), and drop what backward passes before the boundary summed."""
         self._zero_at_backward = False
-        zero_releasing_pages(self.partitions.grad_partitions_flat_buffer)
+        if self.grad_swap is not None:
+            self.grad_swap.forget()  # zeros in memory are what they hold now
+            # pages handed back whatever the size: the gradients are a few tiles at most
+            release_pages(self.partitions.grad_partitions_flat_buffer)
+        else:
+            zero_releasing_pages(self.partitions.grad_partitions_flat_buffer)
         self.layout.discard_accumulated()
 
     def before_backward(self, boundary: bool) -> None:
@@ -253,8 +312,9 @@ class ZeroOptimizer(DeepSpeedViews):
         if self.clip > 0 and norm > self.clip:
             factor *= self.clip / (norm + 1e-6)
         low = grads.dtype != torch.float32
-        if factor != 1.0 and not low:
-            grads.mul_(factor)
+        swapped = self.grad_swap is not None and self.grad_swap.any_away
+        if factor != 1.0 and not low and not swapped:
+            grads.mul_(factor)  # with gradients on NVMe: tile by tile, in `_step_tiles`
         # half-precision gradients are unscaled once widened, as DeepSpeed's stage 3 does: in
         # fp16, those under 2**-14 once unscaled would lose bits as subnormals
         self._step_tiles(low=low, factor=factor)
@@ -274,22 +334,35 @@ class ZeroOptimizer(DeepSpeedViews):
         not depend on ``sub_group_size``. One tile (the default 1e9 elements, or stages 0-2) is
         the whole step at once."""
         swapper, tiles = self.swapper, self._tiles
+        grad_swap = self.grad_swap
+        if grad_swap is not None and not grad_swap.any_away:
+            grad_swap = None  # the gradients are in memory: nothing to read
+        scale_here = grad_swap is not None and not low and factor != 1.0  # see `step`
+        if swapper is None:
+            self._masters_read()
         regrad = low or len(tiles) > 1  # else every fp32 gradient stays attached throughout
         if regrad:
             for tensor, _ in self._stepped:
                 tensor.grad = None  # each tile attaches its own gradients while it steps
         for k, tile in enumerate(tiles):
+            if grad_swap is not None:
+                grad_swap.fetch(k)
+                grad_swap.prefetch(k + 1)
             if swapper is not None:
                 swapper.swap_in(k)
                 swapper.prefetch(k + 1)
             self.layout.before_step(tile.params)
             if regrad:
                 for tensor, grad in tile.stepped:
+                    if scale_here:
+                        grad.mul_(factor)
                     tensor.grad = _widened(grad, factor) if low else grad
             self.optimizer.step()
             if regrad:
                 for tensor, _ in tile.stepped:
                     tensor.grad = None
+            if grad_swap is not None:
+                grad_swap.release(k)  # stepped: its gradients' pages go back
             self.layout.write_back(tile.params)
             if swapper is not None:
                 swapper.swap_out(k)
@@ -302,8 +375,14 @@ class ZeroOptimizer(DeepSpeedViews):
     def _norm_and_overflow(self, grads: torch.Tensor) -> tuple[float, bool]:
         """The squared global gradient norm (of the scaled gradients) and whether any rank
         holds an inf or NaN: one pass over the gradients (an inf or NaN anywhere makes the
-        norm one), one all-reduce."""
-        norm_sq = torch.linalg.vector_norm(grads, dtype=torch.float32).square()
+        norm one), one all-reduce. Summed in float64, so that the order of the sum does not
+        show in the clipping factor (a float): gradients on NVMe are summed tile by tile as
+        they go out ([Note: gradients beyond memory]), and the step is the same as with the
+        gradients in memory."""
+        if self.grad_swap is not None and self.grad_swap.any_away:
+            norm_sq = self.grad_swap.norm_sq()  # tiles on NVMe: from the norms noted
+        else:
+            norm_sq = torch.linalg.vector_norm(grads, dtype=torch.float64).square()
         if self.stage > 0:  # stage 0 ranks hold the same averaged gradients: nothing to sum
             zcomm.all_reduce(norm_sq, group=self.shard_group)
         value = float(norm_sq)
@@ -313,6 +392,9 @@ class ZeroOptimizer(DeepSpeedViews):
         """Drop the state and the flat buffers (the engine is done with them)."""
         self.resident()  # no write or read of it still in flight
         self.swapper = None
+        if self.grad_swap is not None:
+            self.grad_swap.close()
+            self.grad_swap = None
         self.optimizer.state.clear()
         empty = torch.empty(0)
         self.partitions.fp32_partitions_flat = None
