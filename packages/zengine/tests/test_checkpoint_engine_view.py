@@ -81,7 +81,6 @@ class TestEngineView(DistributedTest):
         assert message.startswith("ckpt is not a checkpoint of this model and config:")
         assert "parameters in the checkpoint but not in the model: 0.bias" in message
         assert "shapes differ (checkpoint vs model): 0.weight (4, 3) vs (5, 3)" in message
-        assert "1.running_mean" not in message  # a buffer of another shape is no parameter
         # not strict: what one side lacks is logged and the rest loads; a shape is still wrong
         warned: list[str] = []
         handler = logging.Handler(logging.WARNING)
