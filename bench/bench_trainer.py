@@ -1,22 +1,27 @@
 """Transformers' `Trainer` at ZeRO-3 on zstack (through the DeepSpeed compatibility package)
-against the same `Trainer` with DDP, on CPU.
+against the same `Trainer` with DDP, on CPU, for four models.
 
-Run by ``nox -s bench -- trainer`` (or ``python bench/bench_trainer.py [--quick]``).
+Run by ``nox -s bench -- trainer`` (or ``python bench/bench_trainer.py [--quick]
+[--only=llama,lora,t5,moe] [--rounds=N]``).
 
-The model is a Llama built from a ``transformers.LlamaConfig`` (vocab 8192, hidden 256,
-intermediate 688, 4 layers, 8 heads, 4 key-value heads, fp32, 7.1 M parameters), its weights
-saved once and loaded by every run; sequence 256, micro-batch 4 per rank, no gradient
-accumulation, AdamW (lr 1e-4), 2 ranks on gloo, one torch thread per rank. The contenders differ
-only in ``TrainingArguments``: DDP (``use_cpu=True``: Accelerate's MULTI_CPU, DDP on gloo) and
-ZeRO-3 (``deepspeed={"zero_optimization": {"stage": 3}, ...}``), twice: with the "auto" sizes
-of Transformers' documented configs (``reduce_bucket_size`` hidden^2,
-``stage3_prefetch_bucket_size`` 0.9 hidden^2, ``stage3_param_persistence_threshold`` 10 hidden)
-and with DeepSpeed's default sizes; the optimizer is the Trainer's own AdamW, wrapped by the
-engine. A callback times each optimizer step (``on_step_begin`` to ``on_step_end``: forward,
-backward, step and the Trainer's bookkeeping), wall and process CPU time; the first steps are
-warm-up. Each round starts every contender as a fresh process group, in rotating order; the
-figure is the median over rounds of the ratio of the medians, ZeRO-3 over DDP. Target: at most
-1.10x.
+The models are built from Transformers configs (nothing downloaded), their weights seeded and
+saved once and loaded by every run, fp32: a Llama (vocab 8192, hidden 256, intermediate 688, 4
+layers, 8 heads, 4 key-value heads, 7.1 M parameters); the same Llama under PEFT's LoRA (rank
+16 on q_proj and v_proj, the base frozen); a T5 (d_model 256, d_ff 688, 4 encoder and 4 decoder
+blocks, 8 heads of 32); and a Mixtral (the Llama's shape with 4 experts of intermediate 344, 2
+per token). Sequence 256, micro-batch 4 per rank, no gradient accumulation, AdamW (lr 1e-4), 2
+ranks on gloo, one torch thread per rank. The runs differ only in ``TrainingArguments``: DDP
+(``use_cpu=True``: Accelerate's MULTI_CPU, DDP on gloo) and ZeRO-3
+(``deepspeed={"zero_optimization": {"stage": 3}, ...}``) with the "auto" sizes of
+Transformers' documented configs (``reduce_bucket_size`` hidden^2,
+``stage3_prefetch_bucket_size`` 0.9 hidden^2, ``stage3_param_persistence_threshold`` 10
+hidden), and for the Llama also with DeepSpeed's default sizes; the optimizer is the Trainer's
+own AdamW, wrapped by the engine. A callback times each optimizer step (``on_step_begin`` to
+``on_step_end``: forward, backward, step and the Trainer's bookkeeping), wall and process CPU
+time; the first steps are warm-up. Each round starts every run as a fresh process group, in
+rotating order; a model's figure is the median over rounds of the ratio of its ZeRO-3 median
+to its own DDP median in the same round. Target: at most 1.10x. The table also gives the units
+ZeRO-3 gathers (zpartition's [Note: module groups]: one per decoder layer or block).
 """
 
 from __future__ import annotations
@@ -33,15 +38,40 @@ from typing import Any
 from _common import run_ranks
 
 VOCAB, HIDDEN, LAYERS, SEQ, MICRO = 8192, 256, 4, 256, 4
+# The models, each built from a config once and saved: name -> (label, saved model it loads).
+MODELS = {
+    "llama": ("Llama", "llama"),
+    "lora": ("Llama with PEFT LoRA", "llama"),
+    "t5": ("T5", "t5"),
+    "moe": ("Mixtral MoE", "moe"),
+}
+# (model, run): each model under DDP and under ZeRO-3 with the "auto" sizes; the Llama also with
+# DeepSpeed's default sizes.
+CONTENDERS = [
+    ("llama", "ddp"),
+    ("llama", "zero3"),
+    ("llama", "zero3-defaults"),
+    ("lora", "ddp"),
+    ("lora", "zero3"),
+    ("t5", "ddp"),
+    ("t5", "zero3"),
+    ("moe", "ddp"),
+    ("moe", "zero3"),
+]
+RUNS = {
+    "ddp": "DDP",
+    "zero3": 'ZeRO-3, Transformers\' "auto" sizes',
+    "zero3-defaults": "ZeRO-3, DeepSpeed's default sizes",
+}
 
 
-def _worker(model_dir: str, contender: str, steps: int, warmup: int) -> None:
+def _worker(models_dir: str, model_name: str, run: str, steps: int, warmup: int) -> None:
     import torch
     import transformers
     from accelerate import PartialState
 
     torch.set_num_threads(1)
-    zero3 = contender.startswith("zero3")
+    zero3 = run.startswith("zero3")
     if zero3:  # on CPU Accelerate counts DeepSpeed ranks only with the backend named
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
@@ -56,6 +86,7 @@ def _worker(model_dir: str, contender: str, steps: int, warmup: int) -> None:
             return len(self.ids)
 
         def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            # T5 takes the same tokens as its encoder's input and its decoder's labels
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     times: list[tuple[float, float]] = []
@@ -80,9 +111,9 @@ def _worker(model_dir: str, contender: str, steps: int, warmup: int) -> None:
             "stage3_param_persistence_threshold": "auto",
         },
     }
-    if contender == "zero3-defaults":  # DeepSpeed's own defaults for the sizes
+    if run == "zero3-defaults":  # DeepSpeed's own defaults for the sizes
         ds_config["zero_optimization"] = {"stage": 3}
-    args = transformers.TrainingArguments(
+    args = transformers.TrainingArguments(  # made first: with DeepSpeed it switches ZeRO-3 on
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=MICRO,
         max_steps=steps,
@@ -96,90 +127,153 @@ def _worker(model_dir: str, contender: str, steps: int, warmup: int) -> None:
         accelerator_config={"use_configured_state": zero3},
         deepspeed=ds_config if zero3 else None,
     )
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    saved = Path(models_dir) / MODELS[model_name][1]
+    model: Any
+    if model_name == "t5":
+        model = transformers.AutoModelForSeq2SeqLM.from_pretrained(saved)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(saved)
+    if model_name == "lora":
+        import peft
+
+        # PEFT's usual LoRA on a causal LM (its default target modules for a Llama: q_proj and
+        # v_proj), the base frozen; rank 16, so that the adapters (16 x 256) are partitioned
+        # too under the "auto" persistence threshold (2 560 elements)
+        lora = peft.LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.05,
+            target_modules=["q_proj", "v_proj"],
+            task_type="CAUSAL_LM",
+        )
+        model = peft.get_peft_model(model, lora)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(), callbacks=[Timer()]
     )
     trainer.train()
     timed = times[warmup:]
+    partitioned = getattr(trainer.model_wrapped, "partitioned", None)
     result = {
         "wall": statistics.median(t[0] for t in timed),
         "cpu": statistics.median(t[1] for t in timed),
+        # the units ZeRO-3 gathers (persistent parameters are whole: not counted)
+        "units": (
+            sum(not u.persistent for u in partitioned.units) if partitioned is not None else 0
+        ),
     }
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def _save_model(path: Path) -> None:
+def _save_models(path: Path) -> dict[str, str]:
+    """Each model built from its config with seeded weights and saved under `path`; returns a
+    line describing each."""
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=688,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=SEQ,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    print(f"Llama: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
-    model.save_pretrained(path)
-
-
-CONTENDERS = {
-    "ddp": "DDP",
-    "zero3": 'ZeRO-3, Transformers\' "auto" sizes',
-    "zero3-defaults": "ZeRO-3, DeepSpeed's default sizes",
-}
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": SEQ,
+    }
+    configs: dict[str, Any] = {
+        "llama": transformers.LlamaConfig(**common, intermediate_size=688),
+        # 4 experts of intermediate 344, 2 per token: a token's MLP compute is the Llama's
+        "moe": transformers.MixtralConfig(
+            **common, intermediate_size=344, num_local_experts=4, num_experts_per_tok=2
+        ),
+        # 4 encoder and 4 decoder blocks, 8 heads of 32, feed-forward 688
+        "t5": transformers.T5Config(
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            d_ff=688,
+            d_kv=32,
+            num_layers=LAYERS,
+            num_heads=8,
+            decoder_start_token_id=0,  # T5's pad token, where its decoder starts
+            pad_token_id=0,
+        ),
+    }
+    described = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        if name == "t5":
+            model = transformers.AutoModelForSeq2SeqLM.from_config(config)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(path / name)
+        described[name] = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters"
+    described["lora"] = f"{described['llama']} frozen, LoRA adapters of rank 16 trained"
+    return described
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
+    contenders = [c for c in CONTENDERS if only is None or c[0] in only]
+    if not contenders:
+        raise SystemExit(f"--only names none of the models {list(MODELS)}")
     rounds, steps, warmup = (2, 6, 2) if quick else (6, 14, 4)
-    times: dict[str, dict[str, list[float]]] = {c: {"wall": [], "cpu": []} for c in CONTENDERS}
-    ratios: dict[str, dict[str, list[float]]] = {c: {"wall": [], "cpu": []} for c in CONTENDERS}
+    rounds = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--rounds=")), rounds))
+    times: dict[tuple[str, str], dict[str, list[float]]] = {
+        c: {"wall": [], "cpu": []} for c in contenders
+    }
+    ratios: dict[tuple[str, str], dict[str, list[float]]] = {
+        c: {"wall": [], "cpu": []} for c in contenders
+    }
+    units: dict[tuple[str, str], int] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        _save_model(model_dir)
+        models_dir = Path(tmp)
+        described = _save_models(models_dir)
         for round_ in range(rounds):
-            order = list(CONTENDERS)[round_ % 3 :] + list(CONTENDERS)[: round_ % 3]
-            found: dict[str, dict[str, float]] = {}
-            for contender in order:
+            shift = round_ % len(contenders)
+            order = contenders[shift:] + contenders[:shift]
+            found: dict[tuple[str, str], dict[str, float]] = {}
+            for model_name, run in order:
                 ranks = run_ranks(
                     __file__,
-                    ["--worker", str(model_dir), contender, str(steps), str(warmup)],
+                    ["--worker", str(models_dir), model_name, run, str(steps), str(warmup)],
                     world=2,
                 )
                 # a step is as slow as its slower rank
-                found[contender] = {
+                found[model_name, run] = {
                     kind: max(float(str(rank[kind])) for rank in ranks) for kind in ("wall", "cpu")
                 }
-            for contender, kinds in found.items():
+                units[model_name, run] = int(str(ranks[0]["units"]))
+            for (model_name, run), kinds in found.items():
                 for kind, value in kinds.items():
-                    times[contender][kind].append(value)
-                    ratios[contender][kind].append(value / found["ddp"][kind])
+                    times[model_name, run][kind].append(value)
+                    ratios[model_name, run][kind].append(value / found[model_name, "ddp"][kind])
             print(
                 f"round {round_ + 1}/{rounds}: "
-                + ", ".join(f"{c} {found[c]['cpu'] * 1e3:.0f} ms CPU" for c in CONTENDERS),
+                + ", ".join(f"{m} {r} {found[m, r]['cpu'] * 1e3:.0f} ms CPU" for m, r in order),
                 flush=True,
             )
     print(
-        f"\n### Trainer step, Llama {HIDDEN}x{LAYERS}, world size 2 (gloo, micro-batch {MICRO}, "
-        f"sequence {SEQ}): ms per step, medians of {rounds} rounds x {steps - warmup} steps; "
-        "ratios are medians of the per-round ratio to DDP"
+        f"\n### Trainer step, world size 2 (gloo, micro-batch {MICRO}, sequence {SEQ}): ms per "
+        f"step, medians of {rounds} rounds x {steps - warmup} steps; ratios are medians of the "
+        "per-round ratio to the same model's DDP\n"
     )
-    print("\n| | wall ms | CPU ms | wall / DDP | CPU / DDP |")
-    print("|---|---|---|---|---|")
-    for contender, label in CONTENDERS.items():
-        wall, cpu = (statistics.median(times[contender][k]) * 1e3 for k in ("wall", "cpu"))
-        wall_ratio, cpu_ratio = (statistics.median(ratios[contender][k]) for k in ("wall", "cpu"))
-        print(f"| {label} | {wall:.1f} | {cpu:.1f} | {wall_ratio:.3f}x | {cpu_ratio:.3f}x |")
+    for name, (label, _) in MODELS.items():
+        if only is None or name in only:
+            print(f"- {label}: {described[name]}")
+    print("\n| model | run | gathered units | wall ms | CPU ms | wall / DDP | CPU / DDP |")
+    print("|---|---|---|---|---|---|---|")
+    for model_name, run in contenders:
+        wall, cpu = (statistics.median(times[model_name, run][k]) * 1e3 for k in ("wall", "cpu"))
+        wall_ratio, cpu_ratio = (
+            statistics.median(ratios[model_name, run][k]) for k in ("wall", "cpu")
+        )
+        print(
+            f"| {MODELS[model_name][0]} | {RUNS[run]} | {units[model_name, run] or '-'} | "
+            f"{wall:.1f} | {cpu:.1f} | {wall_ratio:.3f}x | {cpu_ratio:.3f}x |"
+        )
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        _worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
     else:
         main()
