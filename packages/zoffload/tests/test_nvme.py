@@ -276,6 +276,18 @@ def test_corruption_read_in_place_is_refused_and_nothing_is_kept(offloader):
     assert tensors["big"].untyped_storage().nbytes() == 0
 
 
+def _held_open(path):
+    """Descriptors of this process on ``path`` after its name went ([Note: deferred free])."""
+    fds = Path("/proc/self/fd")
+    links = []
+    for fd in fds.iterdir():
+        try:
+            links.append(os.readlink(fd))
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+    return [link for link in links if link == f"{path} (deleted)"]
+
+
 def test_remove_frees_the_name_at_once_and_the_file_by_close(offloader):
     _, _, handle = offload_some(offloader)
     path = handle.path
@@ -283,11 +295,61 @@ def test_remove_frees_the_name_at_once_and_the_file_by_close(offloader):
     offloader.io.remove(path)
     assert not path.exists()  # a new offload may take the name now
     offloader.io.remove(path)  # gone already: nothing to do
+    assert not swap_files(offloader.nvme_path)  # the folder may be deleted at once
     offloader.io.close()
-    assert not swap_files(offloader.nvme_path)  # the unlink ran
+    assert not _held_open(path)  # the last close ran: the blocks are freed
+
+
+def test_reload_and_rewrite_leave_no_file_behind_once_removals_are_done(offloader):
+    tensors, expected, handle = offload_some(offloader)
+    first = handle.path
+    handle.reload(keep=True)
+    tensors["a"].add_(1)
+    handle.offload()  # a new file replaces the kept one under the same name
+    assert handle.path == first
+    assert len(swap_files(offloader.nvme_path)) == 1
+    handle.reload()
+    assert not swap_files(offloader.nvme_path)  # the name went with the reload
+    offloader.io.wait_removals()
+    assert not _held_open(first)  # the replaced file and the reloaded one are both freed
+    assert torch.equal(tensors["a"], expected["a"] + 1)
 
 
 def test_the_crc_is_zlibs_whichever_implementation_computes_it():
     data = memoryview(bytes(range(256)) * 1000)
     assert _nvme._crc([data[:1000], data[1000:]]) == zlib.crc32(data)
     assert _nvme._zeros_crc(8192) == zlib.crc32(bytes(8192))
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_removals(offloader):
+    import threading
+    import time
+
+    from zoffload import _deferred
+
+    _, _, handle = offload_some(offloader)
+    path = handle.path
+    assert path is not None
+    handle.reload(keep=True)
+    hold = threading.Event()
+    _deferred.close_later(os.open(os.devnull, os.O_RDONLY))  # starts the remover thread
+    _deferred.wait()
+    assert _deferred._executor is not None
+    _deferred._executor.submit(hold.wait)  # the remover is busy: the next close waits
+    handle.discard_copy()  # the file's close is pending now
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: no remover thread, its copy of the descriptor closed
+            os._exit(0 if zoffload.free_bytes(path.parent) is not None else 1)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done[0] == pid, "the child hung"
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        hold.set()
+    offloader.io.wait_removals()
+    assert not _held_open(path)

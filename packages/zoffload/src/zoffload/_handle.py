@@ -395,8 +395,8 @@ class OffloadHandle:
         if region is not None:
             region.release()
         manifest, self._manifest = self._manifest, None
-        if manifest is not None and unlink:
-            manifest.path.unlink(missing_ok=True)
+        if manifest is not None and unlink:  # the name goes now, the blocks on a thread
+            self._offloader.io.remove(manifest.path)
 
     def _resident(self) -> None:
         bad = self._mismatches() if self._verify else []

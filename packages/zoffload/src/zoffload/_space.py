@@ -13,14 +13,29 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from zoffload import _deferred
 from zoffload._errors import NvmeError, NvmeSpaceError
 
-__all__ = ["FolderCheck", "check_folder", "free_bytes", "inspect_folder", "nvme_error"]
+__all__ = [
+    "FolderCheck",
+    "check_folder",
+    "free_bytes",
+    "free_bytes_now",
+    "inspect_folder",
+    "nvme_error",
+]
 
 
 def free_bytes(path: str | os.PathLike[str]) -> int | None:
     """Bytes an unprivileged writer may still use on the filesystem of ``path`` (or of its
-    nearest existing parent); None where it cannot be told."""
+    nearest existing parent); None where it cannot be told. Files this process deleted count
+    as free: their blocks are freed first ([Note: deferred free] in ``_nvme``)."""
+    _deferred.wait()
+    return free_bytes_now(path)
+
+
+def free_bytes_now(path: str | os.PathLike[str]) -> int | None:
+    """`free_bytes` without waiting for the deleted files' blocks (at most what it says)."""
     here = Path(path)
     while not here.exists() and here != here.parent:
         here = here.parent
