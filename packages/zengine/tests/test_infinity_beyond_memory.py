@@ -105,7 +105,7 @@ def _train(folder: Path | None) -> tuple[list[float], dict[str, int], dict[str, 
     torch.manual_seed(0)
     with zengine.zero.Init(config_dict_or_path=config):
         model = _Model()
-    built = _storage_bytes([p.ds_tensor for p in model.parameters()])  # type: ignore[attr-defined]
+    built = _storage_bytes([p.ds_tensor for p in model.parameters()])
     engine, *_ = zengine.initialize(model=model, config=config)
     optimizer = engine.optimizer
     assert optimizer is not None
