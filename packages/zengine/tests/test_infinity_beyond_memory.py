@@ -65,9 +65,8 @@ def _config(folder: Path | None) -> dict[str, Any]:
         "stage": 3,
         "sub_group_size": TILE,
         "stage3_prefetch_bucket_size": TILE,
-        # gathered units kept for their reuse (the recompute's) count within these: a tile
-        "stage3_max_live_parameters": TILE,
-        "stage3_max_reuse_distance": TILE,
+        # stage3_max_live_parameters and _reuse_distance at DeepSpeed's defaults (1e9): a unit
+        # whose shard waits on NVMe is not kept for its reuse, whatever they allow
         "stage3_param_persistence_threshold": 4 * HIDDEN,
         "module_group_size": 0,  # a unit per module: the bounds count a few of them
     }

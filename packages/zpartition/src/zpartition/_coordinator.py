@@ -217,9 +217,13 @@ class Coordinator:
     def _keep(self, unit: Unit) -> bool:
         if unit.direct:
             # One rank: no trace; a unit shown in a forward with grad stays (if reuse and the
-            # live limit allow) until its backward is done, saving a release and a show.
+            # live limit allow) until its backward is done, saving a release and a show. Not one
+            # whose shard waits in a store (NVMe): keeping it would keep the model in memory
+            # within DeepSpeed's default live limit (1e9 elements), which the store is there
+            # to avoid; its store reads it ahead instead.
             keep = (
                 self._keep_direct
+                and unit.store is None
                 and torch.is_grad_enabled()
                 and self.channel.live_numel <= self.config.max_live_parameters
             )

@@ -164,7 +164,8 @@ class State:
         for info in self.infos.values():
             self._install_module(info)
         # One rank, and the live limit never binds: nothing is freed or moved during backward,
-        # so gradients are taken at its end and the per-parameter hooks are not needed.
+        # so gradients are taken at its end and the per-parameter hooks are not needed. Not
+        # where shards wait in a store (NVMe): each unit is let go as its backward ends.
         total = sum(u.numel for u in self.coordinator.units.values())
         # A kept bucket (persistent_grad_buckets) is used with one rank too: DeepSpeed's
         # contiguous gradient buffer exists whatever the world size, and offload frees it.
@@ -177,6 +178,7 @@ class State:
             and all(u.direct for u in self.units)
             and total <= self.coordinator.config.max_live_parameters
             and not self.kept_buckets
+            and all(u.store is None for u in self.units)
         )
         # A bucket holds reduce_bucket_size elements, or every gradient if fewer: its columns
         # are one rank's share of that.
@@ -187,14 +189,25 @@ class State:
                 columns = self.bucket_columns.get(key, 0) + group.width
                 self.bucket_columns[key] = min(columns, limit)
         self.root_device = self.units[0].device if self.units else torch.device("cpu")
+        if not self.late_gradients:
+            self._hook_gradients()
+
+    def _hook_gradients(self) -> None:
+        """A post-accumulate-grad hook on each trainable parameter (its arrival counted)."""
         for unit in self.units:
-            if self.late_gradients:
-                break
             hook = self._grad_arrived(unit)
             for p in unit.params:
                 if p.requires_grad:
                     handle = p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
                     self.handles.append(handle)
+
+    def shards_stored(self) -> None:
+        """The units' shards now wait in a store (`Partitioned.set_shard_store`, between
+        steps): gradients are taken as each unit's backward ends, and the unit let go then,
+        rather than every unit held to the end of backward (see `install`)."""
+        if self.late_gradients:
+            self.late_gradients = False
+            self._hook_gradients()
 
     def _install_module(self, info: ModuleInfo) -> None:
         info.pre_backward = eager(self._pre_backward(info))

@@ -276,6 +276,8 @@ class Partitioned:
             u.store = store
             if store is not None and u.status is ZeroParamStatus.NOT_AVAILABLE:
                 store.evict(u.shard)
+        if store is not None:
+            self._state.shards_stored()
 
     def fetch_shards(self, units: Sequence[Unit] | None = None) -> None:
         """The shards of `units` (default: every unit) in memory, to read them or write into
