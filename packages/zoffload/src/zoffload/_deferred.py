@@ -23,6 +23,9 @@ def close_later(fd: int) -> None:
         if _executor is None:
             _executor = ThreadPoolExecutor(1, thread_name_prefix="zoffload-remove")
         _open.add(fd)
+        # the closes done and fine are forgotten (a long run deletes files every step); a
+        # failed one stays for `wait` to raise
+        _pending[:] = [f for f in _pending if not f.done() or f.exception() is not None]
         _pending.append(_executor.submit(_close, fd))
 
 
