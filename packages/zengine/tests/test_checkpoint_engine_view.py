@@ -1,5 +1,6 @@
-"""What the checkpoint package reads of an engine (_checkpoint/_engine_view.py): a real engine,
-its optimizer and a pipeline's stage have it all, and the manifest's checks run against a small
+"""What the checkpoint package reads of an engine (_checkpoint/_engine_view.py), and what
+offload_states does (_offload/_states.py): a real engine, its optimizer and a pipeline's stage
+have it all, and the manifest's checks run against a small
 object of those attributes, without an engine."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from zengine._checkpoint._engine_view import (
 )
 from zengine._checkpoint._manifest import check, describe
 from zengine._config import EngineConfig, load_config
+from zengine._offload import StatesEngine, StatesOptimizer
 from zengine._progress import Stepping
 
 from ._helpers import checkpoint_engine, pipe_config, pipe_initialize, pipeline
@@ -66,9 +68,12 @@ class TestEngineView(DistributedTest):
         assert isinstance(engine, CheckpointEngine)
         assert isinstance(engine.optimizer, CheckpointOptimizer)
         assert isinstance(engine, Stepping)  # the progress line's view
+        assert isinstance(engine, StatesEngine)  # offload_states' view
+        assert isinstance(engine.optimizer, StatesOptimizer)
         stage = pipe_initialize(pipeline(1), pipe_config(zero_optimization={"stage": 1}))
         assert isinstance(stage, StageEngine)
         assert isinstance(stage.optimizer, CheckpointOptimizer)
+        assert isinstance(stage, StatesEngine)
         assert not isinstance(engine, StageEngine)  # no stage_id, num_stages, grid
         assert isinstance(_model(), CheckpointEngine)
 

@@ -14,7 +14,13 @@ from zengine._offload._grads import GradientSwap
 from zengine._offload._host_memory import IdleTrimmer, trim_heap, zero_releasing_pages
 from zengine._offload._optimizer import NvmeStateSwapper
 from zengine._offload._param import NvmeShardStore
-from zengine._offload._states import StateOffloader, get_state_devices, memory_held
+from zengine._offload._states import (
+    StateOffloader,
+    StatesEngine,
+    StatesOptimizer,
+    get_state_devices,
+    memory_held,
+)
 
 __all__ = [
     "GradientSwap",
@@ -22,6 +28,8 @@ __all__ = [
     "NvmeShardStore",
     "NvmeStateSwapper",
     "StateOffloader",
+    "StatesEngine",
+    "StatesOptimizer",
     "agree_on_folders",
     "agree_on_outcome",
     "agree_on_swaps",

@@ -40,27 +40,82 @@ parameters, so generation with the optimizer state away works, as DeepSpeed-Chat
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 import zoffload
+import zpartition
 from zengine._errors import UsageError
 from zengine._offload._agree import agree_on_folders, agree_on_outcome
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum
 
-if TYPE_CHECKING:
-    from zengine._engine import Engine
+__all__ = [
+    "StateOffloader",
+    "StatesEngine",
+    "StatesOptimizer",
+    "get_state_devices",
+    "memory_held",
+]
 
-__all__ = ["StateOffloader", "get_state_devices", "memory_held"]
+
+# What offload_states reads of an engine and its ZeRO optimizer, both a layer above: `Engine`
+# and `ZeroOptimizer` satisfy these (tests/test_checkpoint_engine_view.py checks them).
+class _Partitions(Protocol):
+    @property
+    def fp32_partitions_flat(self) -> torch.Tensor | None: ...
+    @property
+    def grad_partitions_flat_buffer(self) -> torch.Tensor: ...
+
+
+class _Layout(Protocol):
+    @property
+    def flats(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def grad_flats(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def low_grad_flats(self) -> Sequence[torch.Tensor]: ...
+
+
+@runtime_checkable
+class StatesOptimizer(Protocol):
+    """The ZeRO optimizer's tensors that offload_states moves."""
+
+    @property
+    def partitions(self) -> _Partitions: ...
+    @property
+    def layout(self) -> _Layout: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    def resident(self) -> StatesOptimizer: ...
+    def stepped_tensors(self) -> list[torch.Tensor]: ...
+
+
+@runtime_checkable
+class StatesEngine(Protocol):
+    """The engine as offload_states, get_state_devices and memory_held read it."""
+
+    @property
+    def optimizer(self) -> StatesOptimizer | None: ...
+    @property
+    def partitioned(self) -> zpartition.Partitioned | None: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def _offloaded(self) -> StateOffloader: ...
+
 
 _BUCKET = OffloadStateTypeEnum.contiguous_grad_buffer
 GATHERED = "gathered_params"  # memory_held's name for ZeRO-3 parameters gathered now
 TOTAL = "total"  # memory_held's name for every storage once
 
 
-def state_tensors(engine: Engine, state: OffloadStateTypeEnum) -> dict[str, torch.Tensor]:
+def state_tensors(engine: StatesEngine, state: OffloadStateTypeEnum) -> dict[str, torch.Tensor]:
     """The tensors the engine holds for `state`, by name (empty tensors left out)."""
     if engine.optimizer is None:  # forward passes only: the parameters are all it holds
         if state is not OffloadStateTypeEnum.lp_params:
@@ -97,7 +152,7 @@ def state_tensors(engine: Engine, state: OffloadStateTypeEnum) -> dict[str, torc
     return {k: v for k, v in found.items() if v.numel() > 0}
 
 
-def _lp_params(engine: Engine) -> list[torch.Tensor]:
+def _lp_params(engine: StatesEngine) -> list[torch.Tensor]:
     """The compute-dtype parameters: shards (and gathered persistent ones) at stage 3, the
     flat parameter buffers at stages 0-2."""
     if engine.partitioned is None:
@@ -115,7 +170,7 @@ def _lp_params(engine: Engine) -> list[torch.Tensor]:
     return tensors
 
 
-def get_state_devices(engine: Engine, state: OffloadStateTypeEnum | str) -> set[torch.device]:
+def get_state_devices(engine: StatesEngine, state: OffloadStateTypeEnum | str) -> set[torch.device]:
     """The devices `state`'s tensors are on now: their own, or the host while offloaded to
     host memory; none while on NVMe or freed."""
     devices: set[torch.device] = set()
@@ -128,7 +183,7 @@ def get_state_devices(engine: Engine, state: OffloadStateTypeEnum | str) -> set[
     return devices
 
 
-def memory_held(engine: Engine) -> dict[str, dict[str, int]]:
+def memory_held(engine: StatesEngine) -> dict[str, dict[str, int]]:
     """Bytes the engine holds, by state and by where they are: a device (``cpu``,
     ``cuda:0``) for resident storages, ``cpu`` or ``nvme`` for the copies of offloaded ones.
     The five `OffloadStateTypeEnum` states, `GATHERED` (ZeRO-3 parameters gathered whole now,
@@ -201,7 +256,7 @@ class StateOffloader:
 
     def offload(
         self,
-        engine: Engine,
+        engine: StatesEngine,
         include: Iterable[OffloadStateTypeEnum | str] | None,
         device: OffloadDeviceEnum | str,
         *,
@@ -253,7 +308,7 @@ class StateOffloader:
 
     def _to_nvme(
         self,
-        engine: Engine,
+        engine: StatesEngine,
         moves: dict[OffloadStateTypeEnum, tuple[OffloadDeviceEnum, dict[str, torch.Tensor]]],
         nvme_path: str | os.PathLike[str],
         *,
@@ -308,7 +363,9 @@ class StateOffloader:
     def _give_back(self) -> None:
         self.offloader.pool.trim()
 
-    def require(self, engine: Engine, call: str, states: Iterable[OffloadStateTypeEnum]) -> None:
+    def require(
+        self, engine: StatesEngine, call: str, states: Iterable[OffloadStateTypeEnum]
+    ) -> None:
         """Refuse `call` while any of `states` is offloaded (its tensors are empty: reading
         them would crash the process on CPU and read freed memory on a GPU); wait for a
         non-blocking reload first."""
