@@ -182,3 +182,33 @@ class TestBeyondMemory(DistributedTest):
         whole = {"shards": full["shards"], "grads": full["grads"], "masters": 3 * full["masters"]}
         for kind, nbytes in whole.items():
             assert 2 * bounds[kind] < nbytes, (kind, bounds[kind], nbytes)
+
+
+class TestInitConfigs(DistributedTest):
+    world_size = 1
+
+    def test_auto_sizes_as_transformers_passes_them_before_its_trainer_fills_them(self) -> None:
+        """``from_pretrained`` enters ``zero.Init`` with the config the Trainer has not yet
+        completed ("auto" bucket sizes need the model): it builds, and with ``offload_param``
+        on NVMe the shards are in files (the "auto" sizes take their defaults)."""
+        folder = Path(tempfile.mkdtemp(prefix="zengine-init-auto-"))
+        try:
+            for device in ("cpu", "nvme"):
+                offload = {"device": device, "nvme_path": str(folder)}
+                zero = {
+                    "stage": 3,
+                    "reduce_bucket_size": "auto",
+                    "stage3_prefetch_bucket_size": "auto",
+                    "stage3_param_persistence_threshold": "auto",
+                    "offload_param": offload,
+                }
+                config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": zero}
+                with zengine.zero.Init(config_dict_or_path=config):
+                    model = nn.Linear(64, 64)
+                stored = [f for f in folder.rglob("*") if f.is_file()]
+                assert bool(stored) == (device == "nvme"), (device, stored)
+                held = model.weight.ds_tensor.untyped_storage().nbytes()
+                assert (held == 0) == (device == "nvme"), (device, held)  # the module's shard
+                del model
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -15,8 +15,8 @@ the same store, so the files written while building are the ones training reads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from pathlib import Path
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -46,16 +46,27 @@ __all__ = [
 _E = TypeVar("_E", bound=Engine)
 
 
-def _nvme_store(config: dict[str, Any] | str | Path | None) -> NvmeShardStore | None:
-    """The store of a config whose ``zero_optimization.offload_param`` is on NVMe, else None."""
-    if config is None:
+def _nvme_store(config: object) -> NvmeShardStore | None:
+    """The store of a config whose ``zero_optimization.offload_param`` is on NVMe, else None.
+    Only such a config is validated here: any other is zpartition's to read, and one that
+    Transformers passes before its Trainer has filled the "auto" sizes (``reduce_bucket_size``
+    and the like need the model) must not fail for keys this does not use."""
+    if not isinstance(config, (Mapping, str, os.PathLike)):
         return None
-    zero = read_section(config, "zero_optimization")
+    raw = read_config(config)
+    zero_raw = raw.get("zero_optimization")
+    param = zero_raw.get("offload_param") if isinstance(zero_raw, Mapping) else None
+    if not isinstance(param, Mapping) or param.get("device") != "nvme":
+        return None
+    assert isinstance(zero_raw, Mapping)
+    # "auto" sizes take their defaults here: the read-ahead is bounded by them
+    filled = {k: v for k, v in zero_raw.items() if v != "auto"}
+    zero = read_section({"zero_optimization": filled}, "zero_optimization")
     assert isinstance(zero, ZeroConfig)
     settings = zero.offload_param
-    if settings.device != "nvme" or settings.nvme_path is None:
+    if settings.nvme_path is None:
         return None
-    aio = read_section(config, "aio") if "aio" in read_config(config) else None
+    aio = read_section(raw, "aio") if "aio" in raw else None
     assert aio is None or isinstance(aio, AioConfig)
     if not dist.is_initialized():
         zcomm.init_distributed()
