@@ -316,7 +316,9 @@ def bench(session: nox.Session) -> None:
     """The benchmarks in bench/, side by side with the peers. `nox -s bench -- zpipe` runs one.
 
     DeepSpeed is a peer of zengine's benchmark; its first run compiles two CPU ops (g++)."""
-    _install(session, PACKAGES, "deepspeed>=0.19,<0.20", "transformers", "accelerate", "peft")
+    # isal: zoffload's crc extra, the CRC its NVMe writes need to keep up with dd on 2 cores
+    bench_deps = ["deepspeed>=0.19,<0.20", "transformers", "accelerate", "peft", "isal>=1.6"]
+    _install(session, PACKAGES, *bench_deps)
     # The loading and Trainer benchmarks drive Transformers (and PEFT) on zstack: the compatibility
     # `deepspeed`, put first on the path for them alone (the others keep the real DeepSpeed).
     compat = Path(session.create_tmp()) / "deepspeed-compat"
