@@ -24,19 +24,10 @@ from torch.utils.checkpoint import checkpoint
 import zengine
 from zcomm.testing import DistributedTest
 
+from ._helpers import Block
+
 VOCAB, HIDDEN, SEQ, BLOCKS = 64, 96, 8, 16
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
 class _Model(nn.Module):
@@ -45,7 +36,7 @@ class _Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(_Block() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(Block(HIDDEN) for _ in range(BLOCKS))
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
