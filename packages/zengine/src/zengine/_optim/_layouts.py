@@ -98,6 +98,7 @@ class FlatLayout:
         # per group, the compute-dtype gradients the .grad are views of, when grad_flats are
         # of a wider dtype (stages 0, 1): one backward's, folded into grad_flats after it
         self.low_grad_flats: list[torch.Tensor] = []
+        self.masters_unread = False  # the flat buffers are the masters (no tile-wise first read)
         pieces, sizes, offsets, ranges = [], [], [], []
         for params in self.params:
             flat, layout = self._pack(params, device)

@@ -47,6 +47,8 @@ class Layout(Protocol):
     flats: list[torch.Tensor]
     grad_flats: list[torch.Tensor]
     low_grad_flats: list[torch.Tensor]
+    # the masters not read from the shards yet (stage 3 with NVMe: read a tile at a time)
+    masters_unread: bool
 
     @property
     def params(self) -> Sequence[Sequence[nn.Parameter]]: ...
@@ -159,12 +161,12 @@ class ZeroOptimizer(DeepSpeedViews):
         if self.swapper is None:
             return
         self._swap_grads()
-        if getattr(self.layout, "masters_unread", False):
+        if self.layout.masters_unread:
             for k, tile in enumerate(self._tiles):
                 self.layout.read_back(tile.params)
                 self.swapper.swap_out(k)
                 self.swapper.written(k - 1)
-            self.layout.masters_unread = False  # type: ignore[attr-defined]
+            self.layout.masters_unread = False
         self.swapper.swap_out()
 
     def _swap_grads(self) -> None:
@@ -196,7 +198,7 @@ class ZeroOptimizer(DeepSpeedViews):
     def _masters_read(self) -> None:
         """The masters read from the shards, if they were left for the swapper (which was
         never set: then all at once)."""
-        if getattr(self.layout, "masters_unread", False):
+        if self.layout.masters_unread:
             self.layout.read_back()
 
     def prefetch_states(self) -> None:
