@@ -353,3 +353,24 @@ def test_a_forked_child_does_not_wait_for_the_parents_removals(offloader):
         hold.set()
     offloader.io.wait_removals()
     assert not _held_open(path)
+
+
+def test_scratch_files_skip_the_fsyncs_and_come_back_the_same(offloader, monkeypatch):
+    # [Note: scratch files]: durable=False, at the first offload and every rewrite
+    offload_some(offloader)  # the swap folder claimed (its marker is synced)
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(_nvme.os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    tensors, expected, handle = offload_some(offloader, durable=False)
+    assert handle.path is not None
+    assert not synced
+    handle.reload(keep=True)
+    tensors["a"].add_(1)
+    handle.offload(rewrite=True)
+    assert not synced
+    _nvme.check_file(handle.path)  # header, size and every chunk's CRC, as a durable file's
+    handle.reload()
+    assert torch.equal(tensors["a"], expected["a"] + 1)
+    assert torch.equal(tensors["b"], expected["b"])
+    offload_some(offloader)  # durable (the default): the file and its folder synced
+    assert len(synced) == 2

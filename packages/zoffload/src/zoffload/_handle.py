@@ -56,6 +56,7 @@ class OffloadHandle:
         *,
         pinned: bool,
         verify: bool,
+        durable: bool = True,
     ) -> None:
         self._offloader = offloader  # its pool, NVMe I/O threads and background driver
         self._tensors = tensors  # what the caller named, kept alive while the bytes are away
@@ -64,6 +65,7 @@ class OffloadHandle:
         self._device = device
         self._pinned = pinned
         self._verify = verify
+        self._durable = durable  # NVMe: fsync'd files, or scratch ([Note: scratch files])
         self._keys = [storage_key(s.tensors[0]) for s in slots]
         self._state = "offloading"
         self._region: HostRegion | None = None  # device=cpu: where the bytes are
@@ -233,11 +235,16 @@ class OffloadHandle:
         fences = _fences(self.devices)
         io = self._offloader.io
 
-        hold = self._hold
+        hold, durable = self._hold, self._durable
 
         def job() -> None:
             manifest, direct = io.write(
-                path, self._slots, self._layout, pinned=self._pinned, fences=fences
+                path,
+                self._slots,
+                self._layout,
+                pinned=self._pinned,
+                fences=fences,
+                durable=durable,
             )
             self._manifest, self._direct_io = manifest, direct
             if not hold:

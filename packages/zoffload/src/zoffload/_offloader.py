@@ -70,6 +70,7 @@ class Offloader:
         nvme_path: str | os.PathLike[str] | None = None,
         verify: bool = False,
         commit: bool = True,
+        durable: bool = True,
     ) -> OffloadHandle:
         """Move the bytes of ``tensors`` to ``device`` and empty their storages.
 
@@ -88,6 +89,9 @@ class Offloader:
                 the tensors, the handle ``written``, until `OffloadHandle.commit` empties them
                 or `OffloadHandle.abandon` drops the file (ranks that must all move or none
                 agree in between; the tensors must not change meanwhile).
+            durable: ``False`` (``device=nvme``): a scratch file only this process reads
+                back, written without fsync, at this offload and every rewrite of the
+                handle ([Note: scratch files] in ``_nvme``).
 
         Returns:
             The handle to wait on and to `OffloadHandle.reload` from.
@@ -106,7 +110,14 @@ class Offloader:
         pinned = pin_memory and has_cuda and _cuda.cuda_available()
         layout = plan(slots, small_bytes=self.small_bytes, pack_bytes=self.pack_bytes)
         handle = OffloadHandle(
-            self, dict(tensors), slots, layout, device, pinned=pinned, verify=verify
+            self,
+            dict(tensors),
+            slots,
+            layout,
+            device,
+            pinned=pinned,
+            verify=verify,
+            durable=durable,
         )
         handle._hold = not commit
         file = self._new_file(nvme_path) if device == OffloadDeviceEnum.nvme else None
@@ -165,6 +176,7 @@ def offload(
     nvme_path: str | os.PathLike[str] | None = None,
     verify: bool = False,
     commit: bool = True,
+    durable: bool = True,
 ) -> OffloadHandle:
     """`Offloader.offload` on the `default_offloader`: see there."""
     return default_offloader().offload(
@@ -175,4 +187,5 @@ def offload(
         nvme_path=nvme_path,
         verify=verify,
         commit=commit,
+        durable=durable,
     )

@@ -76,6 +76,7 @@ class NvmeStateSwapper:
                         pin_memory=self.pin_memory,
                         non_blocking=True,
                         nvme_path=self.path,
+                        durable=False,  # scratch: no fsync ([Note: scratch files] in zoffload)
                     )
                 except zoffload.OffloadError as error:
                     self._failed(error)

@@ -78,7 +78,10 @@ class NvmeShardStore:
         held = self._held.get(id(shard))
         try:
             if held is None:
-                handle = self.offloader.offload({"shard": shard}, "nvme", nvme_path=self.folder)
+                # scratch: read back by this process only, no fsync ([Note: scratch files])
+                handle = self.offloader.offload(
+                    {"shard": shard}, "nvme", nvme_path=self.folder, durable=False
+                )
             else:
                 handle, written = held
                 handle.offload(rewrite=shard._version != written)
