@@ -4,11 +4,15 @@ they were fetched before ([Note: reading shards ahead])."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
+import pytest
 import torch
 
+import zoffload
 from zengine._offload import NvmeShardStore
+from zoffload import _nvme
 
 NUMEL = 10_000
 
@@ -112,4 +116,47 @@ def test_held_shards_stay_in_memory_until_the_hold_ends(tmp_path: Path) -> None:
     assert all(map(away, shards))
     store.fetch(shards)
     assert all(torch.equal(s, e) for s, e in zip(shards, expected, strict=True))
+    store.close()
+
+
+def test_shards_written_behind_come_back_and_a_failed_write_is_noted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # [Note: writing shards behind]: a tiled step's shards go to their files in the
+    # background, at most `read_ahead` elements in flight; each comes back bit-exact
+    store, shards, expected = store_of(tmp_path, read_ahead=2 * NUMEL)
+    store.fetch(shards)
+    for shard in shards:
+        shard.add_(1)  # a step: every shard changes, every one is rewritten
+    store.write_behind = True
+    for shard in shards:
+        store.evict(shard)
+        handles = [store._held[id(s)][0] for s in shards]
+        in_flight = [h for h in handles if h.state == "offloading" and not h.done()]
+        assert sum(h.nbytes // 4 for h in in_flight) <= 2 * NUMEL  # the budget
+    for shard in shards:
+        store.evict(shard)  # the step's final sweep: a shard on its way is left alone
+    store.write_behind = False
+    store.fetch(shards)  # each waits for its write, then reads it back
+    assert all(torch.equal(s, e + 1) for s, e in zip(shards, expected, strict=True))
+    assert store.take_failure() is None
+    # a write behind that fails leaves its shard in memory, bit-exact, and is agreed later
+    real = _nvme._pwrite_all
+
+    def failing(fd: int, data: list[memoryview], offset: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_nvme, "_pwrite_all", failing)
+    shards[1].mul_(2)
+    store.write_behind = True
+    store.evict(shards[1])
+    assert isinstance(store.take_failure(), zoffload.OffloadError)  # waited for, then taken
+    assert not away(shards[1])
+    assert torch.equal(shards[1], (expected[1] + 1) * 2)
+    monkeypatch.setattr(_nvme, "_pwrite_all", real)
+    store.write_behind = False
+    store.evict(shards[1])  # written now, and read back
+    assert away(shards[1])
+    store.fetch([shards[1]])
+    assert torch.equal(shards[1], (expected[1] + 1) * 2)
     store.close()

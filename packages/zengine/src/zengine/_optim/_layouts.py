@@ -578,6 +578,8 @@ class ShardedLayout:
         re-read from them."""
         if self.shard_store is not None:
             self.shard_store.holding = False  # each tile's shards go back after it
+            # in a tiled step, written while the next tile steps ([Note: writing shards behind])
+            self.shard_store.write_behind = params is not None
         if self.partitioned is not None:
             self.partitioned.fetch_shards(self._units_of(params))
         self._read_written(params)
@@ -636,6 +638,8 @@ class ShardedLayout:
         go back too; between steps only the persistent unit's stay in memory."""
         if self.partitioned is not None and len(self._tiles) > 1:
             self.partitioned.evict_shards()
+        if self.shard_store is not None:
+            self.shard_store.write_behind = False  # the writes in flight finish on their own
 
     def _units_of(self, params: Sequence[nn.Parameter] | None) -> list[zpartition.Unit] | None:
         if params is None:
