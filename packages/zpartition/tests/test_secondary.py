@@ -262,11 +262,9 @@ class TestBadSizes(DistributedTest):
                     zpartition.partition(model, config=config, group=group)
                 assert not any(hasattr(p, "ds_id") for p in model.parameters())  # left as it was
         with nodes_of(2):
-            ds_config = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}
             with pytest.raises(ZeroParamError, match="larger than a node"):
-                zpartition.Init(config_dict_or_path=ds_config)
-            ds_config["zero_optimization"]["zero_hpz_partition_size"] = 2
-            with zpartition.Init(config_dict_or_path=ds_config):
+                zpartition.Init(config=ZeroParamConfig(secondary_partition_size=4))
+            with zpartition.Init(config=ZeroParamConfig(secondary_partition_size=2)):
                 model = TinyGPT()
             handle = zpartition.partition(model, config=_config(2))
             assert handle.secondary_group is not None

@@ -15,19 +15,22 @@ the same store, so the files written while building are the ones training reads.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import TypeVar
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 import zcomm
 import zpartition
-from zengine._config import AioConfig, ZeroConfig, read_config, read_section
+from zengine._assembly import hybrid_groups
+from zengine._config import ConfigError, ConfigSource, EngineConfig, load_config, read_config
 from zengine._engine import Engine
 from zengine._offload import NvmeShardStore, nvme_offloader
 from zpartition import (
     GatheredParameters,
+    ShardStore,
     ZeroParamStatus,
     register_external_parameter,
     unregister_external_parameter,
@@ -45,52 +48,125 @@ __all__ = [
 
 _E = TypeVar("_E", bound=Engine)
 
-
-def _nvme_store(config: object) -> NvmeShardStore | None:
-    """The store of a config whose ``zero_optimization.offload_param`` is on NVMe, else None.
-    Only such a config is validated here: any other is zpartition's to read, and one that
-    Transformers passes before its Trainer has filled the "auto" sizes (``reduce_bucket_size``
-    and the like need the model) must not fail for keys this does not use."""
-    if not isinstance(config, (Mapping, str, os.PathLike)):
-        return None
-    raw = read_config(config)
-    zero_raw = raw.get("zero_optimization")
-    param = zero_raw.get("offload_param") if isinstance(zero_raw, Mapping) else None
-    if not isinstance(param, Mapping) or param.get("device") != "nvme":
-        return None
-    assert isinstance(zero_raw, Mapping)
-    # "auto" sizes take their defaults here: the read-ahead is bounded by them
-    filled = {k: v for k, v in zero_raw.items() if v != "auto"}
-    zero = read_section({"zero_optimization": filled}, "zero_optimization")
-    assert isinstance(zero, ZeroConfig)
-    settings = zero.offload_param
-    if settings.nvme_path is None:
-        return None
-    aio = read_section(raw, "aio") if "aio" in raw else None
-    assert aio is None or isinstance(aio, AioConfig)
-    if not dist.is_initialized():
-        zcomm.init_distributed()
-    return NvmeShardStore(
-        settings.nvme_path,
-        zcomm.get_rank(),
-        nvme_offloader(aio, "params"),
-        read_ahead=int(min(zero.stage3_prefetch_bucket_size, zero.sub_group_size)),
-    )
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 class Init(zpartition.Init):
-    """zpartition's `Init`; with a config whose ``offload_param`` is on NVMe (and no
-    ``shard_store`` given) the shards go to NVMe files as modules are built ([Note: building
-    beyond memory]), and `initialize` trains from the same files."""
+    """DeepSpeed's ``deepspeed.zero.Init``: zpartition's `Init`, set from a DeepSpeed config.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        enabled = kwargs.get("enabled", True)
-        if enabled and kwargs.get("shard_store") is None:
-            config = kwargs.get("config_dict_or_path") or kwargs.get("config")
-            if config is None and len(args) >= 5:  # DeepSpeed's positional order
-                config = args[4]
-            kwargs["shard_store"] = _nvme_store(config)
-        super().__init__(*args, **kwargs)
+    The config (a dict, or a JSON or HJSON file's path; `config` is an alias) is validated as
+    `initialize` validates it, with its ``"auto"`` values taking their defaults (Transformers
+    builds the model before its Trainer fills them, and DeepSpeed does the same), so a
+    config's problems are named here, before the model is built. From it come: the parameter
+    dtype (bf16 or fp16, when enabled; `dtype` wins), hybrid sharding's groups
+    (``zero_optimization.mics_shard_size``, when neither group is given), the
+    `zpartition.ZeroParamConfig` (its hpZ size checked against the group), and with
+    ``offload_param`` on NVMe a store that takes each module's shard to its file as soon as the
+    module is cut ([Note: building beyond memory]); `initialize` trains from the same files.
+    ``remote_device="nvme"`` (DeepSpeed's spelling) asks for that store: the config's
+    ``offload_param`` must then be on NVMe.
+
+    DeepSpeed's positional order; `mem_efficient_linear`, `mpu` (but for its data-parallel
+    group) and the quantization switches are accepted and do nothing here (zpartition's
+    ``partition`` quantizes the passes' gathers from the engine's config). zstack's own keywords
+    (`sync_module_states`, `replicate_group`, `shard_store`) are zpartition's.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | torch.device | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: ConfigSource = None,
+        config: ConfigSource = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: object = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        *,
+        sync_module_states: bool = True,
+        replicate_group: dist.ProcessGroup | None = None,
+        shard_store: ShardStore | None = None,
+    ) -> None:
+        given = config_dict_or_path if config_dict_or_path is not None else config
+        param_config = None
+        nvme = remote_device == "nvme"
+        if enabled:
+            if not dist.is_initialized():
+                zcomm.init_distributed()
+            if data_parallel_group is None and mpu is not None:
+                data_parallel_group = mpu.get_data_parallel_group()  # type: ignore[attr-defined]
+            cfg = self._read(given, data_parallel_group, replicate_group)
+            if data_parallel_group is None and replicate_group is None:
+                data_parallel_group, replicate_group = hybrid_groups(cfg, None)
+            if dtype is None and (cfg.fp16_enabled or cfg.bf16_enabled):
+                dtype = cfg.dtype
+            param_config = cfg.zero_param_config()
+            if shard_store is None:
+                shard_store = _nvme_store(cfg, nvme)
+        if nvme:
+            remote_device = "cpu"  # the store holds the shards; none stays on the device
+        super().__init__(
+            module,
+            data_parallel_group,
+            remote_device,
+            pin_memory,
+            enabled,
+            dtype,
+            sync_module_states,
+            replicate_group,
+            shard_store,
+            param_config,
+        )
+
+    def _read(
+        self,
+        config: ConfigSource,
+        group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+    ) -> EngineConfig:
+        """`config` validated as `initialize` validates a model's without an optimizer, its
+        batch sizes against the data-parallel ranks (the shard group's times its replicas)."""
+        world = dist.get_world_size(group)
+        if replicate_group is not None:
+            world *= dist.get_world_size(replicate_group)
+        raw = read_config(config)
+        if not any(key in raw for key in _BATCH_KEYS):
+            # Init builds, it does not train: without batch sizes (which DeepSpeed's Init
+            # asks for) one sample per rank; given ones are checked as initialize checks them
+            raw["train_micro_batch_size_per_gpu"] = 1
+        cfg = load_config(raw, world_size=world, with_optimizer=False)
+        self._check(cfg)
+        return cfg
+
+    def _check(self, cfg: EngineConfig) -> None:
+        """What a subclass requires of the config, before anything is built (none here)."""
+
+
+def _nvme_store(cfg: EngineConfig, asked: bool) -> NvmeShardStore | None:
+    """The store of a config whose ``zero_optimization.offload_param`` is on NVMe, else None
+    (`asked`: ``remote_device="nvme"``, which needs such a config)."""
+    zero = cfg.zero_optimization
+    settings = zero.offload_param
+    if settings.device != "nvme":
+        if asked:
+            raise ConfigError(
+                [
+                    'zero_optimization.offload_param.device: Init(remote_device="nvme") needs '
+                    f"'nvme' (with an nvme_path), got {settings.device!r}"
+                ]
+            )
+        return None
+    assert settings.nvme_path is not None  # the section requires it with "nvme"
+    return NvmeShardStore(
+        settings.nvme_path,
+        zcomm.get_rank(),
+        nvme_offloader(cfg.aio, "params"),
+        read_ahead=int(min(zero.stage3_prefetch_bucket_size, zero.sub_group_size)),
+    )
 
 
 @contextlib.contextmanager

@@ -15,10 +15,8 @@ entered: see `_init_writes`. The wrappers are removed and the mode popped on exi
 from __future__ import annotations
 
 import functools
-import json
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,10 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 import zcomm
+from zpartition._config import ZeroParamConfig
 from zpartition._gather import channel_for, new_unit
 from zpartition._gathered import GatheredParameters
 from zpartition._host_heap import fix_mmap_threshold
-from zpartition._hybrid import hybrid_groups, replicas_for
+from zpartition._hybrid import replicas_for
 from zpartition._init_writes import let_go, start, stop, suspended
 from zpartition._partitioned import convert_module
 from zpartition._secondary import check_secondary_size
@@ -158,38 +157,6 @@ def _unpatch() -> None:
         nn.Module.__init_subclass__ = _saved_init_subclass  # type: ignore[method-assign]
 
 
-def _loaded(config: dict[str, Any] | str | Path | None) -> dict[str, Any]:
-    if config is None:
-        return {}
-    return config if isinstance(config, dict) else dict(json.loads(Path(config).read_text()))
-
-
-def _config_dtype(config: dict[str, Any] | str | Path | None) -> torch.dtype | None:
-    """bf16 or fp16 parameters when a DeepSpeed config enables them (as DeepSpeed's Init)."""
-    loaded = _loaded(config)
-    for section, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
-        if (loaded.get(section) or {}).get("enabled"):  # "bfloat16": DeepSpeed's older name
-            return dtype
-    if (loaded.get("fp16") or {}).get("enabled"):
-        return torch.float16
-    return None
-
-
-def _config_groups(
-    config: dict[str, Any] | str | Path | None,
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """Hybrid sharding's groups from a DeepSpeed config's ``mics_shard_size``, if it has one."""
-    loaded = _loaded(config)
-    size = (loaded.get("zero_optimization") or {}).get("mics_shard_size", -1)
-    return (None, None) if size in (-1, None) else hybrid_groups(size)
-
-
-def _config_secondary_size(config: dict[str, Any] | str | Path | None) -> Any:
-    """A DeepSpeed config's ``zero_hpz_partition_size`` (1, hpZ off, when it has none)."""
-    size = (_loaded(config).get("zero_optimization") or {}).get("zero_hpz_partition_size", 1)
-    return 1 if size is None else size
-
-
 class Init:
     """Partition parameters as modules are built: ``with zpartition.Init(): model = Net()``.
 
@@ -199,21 +166,8 @@ class Init:
             `replicate_group`, this rank's shard group.
         remote_device: ``"cpu"`` keeps the shards in host memory; ``None`` on the accelerator.
         pin_memory: pin host shards (with ``remote_device="cpu"`` on a CUDA machine).
-        config_dict_or_path: a DeepSpeed config (dict or JSON path): its bf16/fp16 setting
-            picks the parameter dtype. ``config`` is an alias.
         enabled: ``False`` makes the context do nothing.
-        dtype: cast floating-point parameters to this dtype (wins over the config).
-        mpu: accepted for DeepSpeed compatibility; unused.
-        mem_efficient_linear: accepted for DeepSpeed compatibility; unused (torch's linear
-            layers save what their backward needs, and their weights are re-gathered for it).
-        zero_quantized_weights: DeepSpeed's ZeRO++ qwZ; accepted either way: the cut is the
-            same, and the passes' gathers are quantized by ``partition`` with
-            ``ZeroParamConfig.quantized_weights`` (zengine's ``zero_quantized_weights``).
-        zero_quantized_nontrainable_weights: DeepSpeed's MixZ++; accepted either way: which
-            parameters are frozen is known once the model is built (LoRA freezes them after),
-            so ``partition`` keeps the frozen units quantized with
-            ``ZeroParamConfig.quantized_nontrainable_weights`` (zengine's
-            ``zero_quantized_nontrainable_weights``).
+        dtype: cast floating-point parameters to this dtype.
         sync_module_states: zstack's, not DeepSpeed's (FSDP's name for the same): ``True``
             broadcasts rank 0's freshly built values of each module before the cut, so every
             rank's shard comes from the same values, as DeepSpeed does. ``False`` skips that:
@@ -228,20 +182,21 @@ class Init:
             (broadcast across it, then within the shard group), and writes after
             construction replica 0's. Pass the same group to `partition` (or zengine). The
             groups must form a grid of the world: `ZeroParamError` otherwise. See [Note:
-            hybrid sharding]. Without either group, a config's
-            ``zero_optimization.mics_shard_size`` makes them (`hybrid_groups`), as DeepSpeed's
-            ``MiCS_Init`` does: a model a Trainer builds under ``zero.Init`` from its DeepSpeed
-            config is then sharded as the engine will expect.
+            hybrid sharding]; `hybrid_groups` makes such a pair.
         shard_store: zstack's: where each module's shard goes as soon as it is cut (a
             `ShardStore`; zengine's ``zero.Init`` passes its NVMe store when the config's
             ``offload_param`` is on NVMe), so a model larger than host memory is built a
             module at a time; `partition` keeps the shards in the same store.
+        config: the `ZeroParamConfig` the model will be partitioned with. Its
+            ``secondary_partition_size`` (ZeRO++'s hpZ) is checked here as `partition` checks it
+            (it must divide a node's ranks and the group's: `ZeroParamError`), so a bad one
+            fails before the model is built; it changes nothing in how `Init` cuts: the
+            secondary shards are kept by a partitioned model's forward passes ([Note:
+            secondary partition]).
 
-    A config's ``zero_optimization.zero_hpz_partition_size`` (ZeRO++'s hpZ; zpartition's
-    ``ZeroParamConfig.secondary_partition_size``) is checked here as `partition` checks it (it
-    must divide a node's ranks and the group's: `ZeroParamError`), so a bad one fails before the
-    model is built; it changes nothing in how `Init` cuts: the secondary shards are kept by a
-    partitioned model's forward passes ([Note: secondary partition]).
+    zpartition reads no DeepSpeed config: zengine's ``zero.Init`` (DeepSpeed's
+    ``deepspeed.zero.Init``) takes one, validates it as ``initialize`` does, and passes the
+    dtype, groups, `ZeroParamConfig` and NVMe store it sets here.
 
     Where the shards live in host memory (no CUDA, or ``remote_device="cpu"``), entering the
     outermost context fixes glibc's mmap threshold at 128 KiB for the rest of the process, so
@@ -254,28 +209,24 @@ class Init:
         data_parallel_group: dist.ProcessGroup | None = None,
         remote_device: str | torch.device | None = None,
         pin_memory: bool = False,
-        config_dict_or_path: dict[str, Any] | str | Path | None = None,
-        config: dict[str, Any] | str | Path | None = None,
         enabled: bool = True,
         dtype: torch.dtype | None = None,
-        mpu: object = None,
-        mem_efficient_linear: bool = True,
-        zero_quantized_weights: bool = False,
-        zero_quantized_nontrainable_weights: bool = False,
         sync_module_states: bool = True,
         replicate_group: dist.ProcessGroup | None = None,
         shard_store: ShardStore | None = None,
+        config: ZeroParamConfig | None = None,
     ) -> None:
+        if config is not None and not isinstance(config, ZeroParamConfig):
+            raise TypeError(
+                f"Init(config=...): expected a zpartition.ZeroParamConfig, got "
+                f"{type(config).__name__} (a DeepSpeed config goes to zengine.zero.Init)"
+            )
         self.enabled = enabled
         self.shard_store = shard_store
         self.sync = sync_module_states
-        if enabled and data_parallel_group is None and replicate_group is None:
-            if not dist.is_initialized():
-                zcomm.init_distributed()
-            data_parallel_group, replicate_group = _config_groups(config_dict_or_path or config)
         self.group = data_parallel_group
         self.pin_memory = pin_memory
-        self.dtype = dtype or _config_dtype(config_dict_or_path or config)
+        self.dtype = dtype
         if remote_device not in (None, "cpu", "none") and not isinstance(
             remote_device, torch.device
         ):
@@ -291,9 +242,8 @@ class Init:
         if enabled and not dist.is_initialized():
             zcomm.init_distributed()
         self.replicate = replicas_for(self.group, replicate_group) if enabled else None
-        if enabled:
-            secondary = _config_secondary_size(config_dict_or_path or config)
-            check_secondary_size(secondary, dist.get_world_size(self.group))
+        if enabled and config is not None:
+            check_secondary_size(config.secondary_partition_size, dist.get_world_size(self.group))
         if module is not None and enabled:
             self._fix_host_heap()
             for m in module.modules():

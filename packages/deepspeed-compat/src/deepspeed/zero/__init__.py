@@ -1,10 +1,12 @@
 """``deepspeed.zero``: `Init`, `GatheredParameters` and external parameters (zpartition's, through
 zengine.zero), and `MiCS_Init`."""
 
-import json
-from pathlib import Path
 from typing import Any
 
+from torch import distributed as dist
+from torch import nn
+
+from zengine import EngineConfig
 from zengine.zero import *  # noqa: F403 - zengine.zero is DeepSpeed's deepspeed.zero
 from zengine.zero import Init
 from zengine.zero import __all__ as _zero_names
@@ -15,24 +17,20 @@ __all__ = [*_zero_names, "MiCS_Init"]
 class MiCS_Init(Init):
     """DeepSpeed's: `Init` sharding within the groups of the config's
     ``zero_optimization.mics_shard_size`` (which `Init` reads from any config it is given;
-    here the config must set it, as DeepSpeed asserts)."""
+    here the config must set it, as DeepSpeed asserts). Past the first two, its arguments are
+    `Init`'s, by keyword (DeepSpeed's third is a sequence-parallel group, which zstack has not)."""
 
     def __init__(
         self,
-        module: Any = None,
-        data_parallel_group: Any = None,
-        *,
-        config_dict_or_path: dict[str, Any] | str | Path | None = None,
-        config: dict[str, Any] | str | Path | None = None,
+        module: nn.Module | None = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
         **kwargs: Any,
     ) -> None:
-        given = config_dict_or_path if config_dict_or_path is not None else config
-        loaded = json.loads(Path(given).read_text()) if isinstance(given, str | Path) else given
-        loaded = loaded or {}
-        size = (loaded.get("zero_optimization") or {}).get("mics_shard_size", -1)
-        if size in (-1, None):
+        super().__init__(module, data_parallel_group, **kwargs)
+
+    def _check(self, cfg: EngineConfig) -> None:
+        if cfg.zero_optimization.mics_shard_size == -1:
             raise ValueError(
                 "deepspeed.zero.MiCS_Init: the config's zero_optimization.mics_shard_size must "
                 'be set (a number of ranks; zstack also takes "node")'
             )
-        super().__init__(module, data_parallel_group, config_dict_or_path=given, **kwargs)
