@@ -146,6 +146,7 @@ class TestOptimizerKinds(DistributedTest):
         with pytest.raises(TypeError, match=r"built by deepspeed\.initialize"):
             DeepSpeedZeroOptimizer()
         if kind == "FP16_Optimizer":  # and the attributes of that class are there
+            assert optimizer is not None
             assert [t.dtype for t in optimizer.fp32_groups_flat] == [torch.float32]
 
 

@@ -27,7 +27,7 @@ args = parser.parse_args()
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-engine, _, _, _ = deepspeed.initialize(
+engine, *_ = deepspeed.initialize(
     model=model, model_parameters=model.parameters(), config=args.deepspeed
 )
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

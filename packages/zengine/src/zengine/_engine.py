@@ -25,7 +25,7 @@ from zengine import _checkpoint
 from zengine._config import EngineConfig
 from zengine._errors import UsageError
 from zengine._offload import IdleTrimmer, StateOffloader, memory_held, nvme_offloader, trim_heap
-from zengine._optim import ZeroOptimizer, autocast_dtype, forward_autocast
+from zengine._optim import Scheduler, ZeroOptimizer, autocast_dtype, forward_autocast
 from zengine._progress import Progress
 from zengine._unused_params import UnusedParameterCheck
 from zoffload import OffloadDeviceEnum, OffloadStateTypeEnum, default_pool
@@ -53,7 +53,7 @@ class Engine(nn.Module):
         self,
         module: nn.Module,
         optimizer: ZeroOptimizer | None,
-        lr_scheduler: Any,
+        lr_scheduler: Scheduler | None,
         *,
         config: EngineConfig,
         device: torch.device,

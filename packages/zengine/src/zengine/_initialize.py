@@ -9,8 +9,8 @@ both share.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from torch.utils.data import DataLoader, Dataset
 import zcomm
 from zengine._agreement import agree, describe_setup
 from zengine._assembly import (
+    ClientOptimizer,
+    ClientScheduler,
+    ModelParameters,
     check_allgather_bucket_size,
     hybrid_groups,
     make_loss_scaler,
@@ -36,25 +39,33 @@ from zengine._assembly import (
 from zengine._config import ConfigSource, EngineConfig, load_config, read_config
 from zengine._engine import Engine
 from zengine._errors import MissingArgumentError
-from zengine._optim import FlatLayout, ShardedLayout, ZeroOptimizer, mark_comm_dtypes
+from zengine._optim import FlatLayout, Scheduler, ShardedLayout, ZeroOptimizer, mark_comm_dtypes
 from zengine.pipe import PipelineModule, initialize_pipeline
 
-__all__ = ["initialize"]
+__all__ = ["DataParallelUnit", "initialize"]
+
+
+class DataParallelUnit(Protocol):
+    """``initialize(mpu=...)``: DeepSpeed's model-parallel unit (Megatron's ``mpu``), of which
+    initialize reads the data-parallel group; one without ``get_model_parallel_group`` runs
+    the engine on that group's ranks only."""
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None: ...
 
 
 def initialize(
-    args: Any = None,
+    args: object = None,  # read for deepspeed_config (an argparse Namespace, or anything)
     model: nn.Module | None = None,
-    optimizer: Any = None,
-    model_parameters: Iterable[Any] | None = None,
+    optimizer: ClientOptimizer | None = None,
+    model_parameters: ModelParameters | None = None,
     training_data: Dataset[Any] | None = None,
-    lr_scheduler: Any = None,
-    mpu: Any = None,
+    lr_scheduler: ClientScheduler | None = None,
+    mpu: DataParallelUnit | None = None,
     dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
     config: ConfigSource = None,
     config_params: ConfigSource = None,
-) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
+) -> tuple[Engine, ZeroOptimizer | None, DataLoader[Any] | None, Scheduler | None]:
     """Build the engine: ``engine, optimizer, dataloader, lr_scheduler = initialize(...)``.
 
     `config` (or its alias `config_params`, or ``args.deepspeed_config``) is a dict or a JSON
@@ -168,7 +179,7 @@ def initialize(
 
 def _without_optimizer(
     model: nn.Module,
-    lr_scheduler: Any,
+    lr_scheduler: ClientScheduler | None,
     cfg: EngineConfig,
     group: dist.ProcessGroup | None,
     device: torch.device,
@@ -197,8 +208,10 @@ def _without_optimizer(
     return Engine(model, None, None, config=cfg, device=device, partitioned=handle, group=group)
 
 
-def _config_from_args(args: Any) -> Any:
-    path = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+def _config_from_args(args: object) -> ConfigSource:
+    path: ConfigSource = getattr(args, "deepspeed_config", None) or getattr(
+        args, "deepscale_config", None
+    )
     if path is None:
         raise ValueError(
             "initialize: no config: pass config={...} (a dict or a JSON path), or "

@@ -19,6 +19,12 @@ from zengine._assembly._model import (
     swap_to_nvme,
 )
 from zengine._assembly._optimizer import (
+    ClientOptimizer,
+    ClientScheduler,
+    ModelParameters,
+    OptimizerFactory,
+    ParamGroup,
+    SchedulerFactory,
     make_loss_scaler,
     make_scheduler,
     optimizer_factory,
@@ -27,7 +33,13 @@ from zengine._assembly._optimizer import (
 from zengine._assembly._refusals import check_allgather_bucket_size
 
 __all__ = [
+    "ClientOptimizer",
+    "ClientScheduler",
     "HybridGroups",
+    "ModelParameters",
+    "OptimizerFactory",
+    "ParamGroup",
+    "SchedulerFactory",
     "check_allgather_bucket_size",
     "hybrid_groups",
     "make_loss_scaler",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, cast
+from typing import TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from zengine._offload import (
 from zengine._optim import ShardedLayout, ZeroOptimizer
 
 __all__ = [
+    "MasterPlacement",
     "check_nvme_paths",
     "offload_masters",
     "partition_model",
@@ -78,7 +79,14 @@ def prepare_dense(
         zcomm.broadcast(tensor.data, src, group=group)
 
 
-def offload_masters(cfg: EngineConfig) -> dict[str, Any]:
+class MasterPlacement(TypedDict, total=False):
+    """The layouts' keyword arguments that place the masters (none: on the device)."""
+
+    master_device: torch.device
+    own_masters: bool
+
+
+def offload_masters(cfg: EngineConfig) -> MasterPlacement:
     """Where the layouts keep the masters: on the host with ``offload_optimizer``, and a copy
     of their own with NVMe (which empties them between steps)."""
     device = cfg.zero_optimization.offload_optimizer.device
@@ -167,7 +175,7 @@ def stage3_layout(
     cfg: EngineConfig,
     group: dist.ProcessGroup | None,
     device: torch.device,
-    offload: dict[str, Any],
+    offload: MasterPlacement,
 ) -> ShardedLayout:
     """Stage 3's masters and gradient partitions over the partitioned model's units."""
     zero = cfg.zero_optimization

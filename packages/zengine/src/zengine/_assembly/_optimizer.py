@@ -6,7 +6,7 @@ and the LR scheduler. The ZeRO optimizer is built over them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from zengine._config import EngineConfig
 from zengine._optim import (
     DynamicLossScaler,
     LossScalerBase,
+    Scheduler,
     StaticLossScaler,
     ZeroOptimizer,
     autocast_loss_scaler,
@@ -24,7 +25,32 @@ from zengine._optim import (
 from zengine._unused_params import is_optimized
 from zengine.ops.lion import FusedLion
 
-__all__ = ["make_loss_scaler", "make_scheduler", "optimizer_factory", "param_groups"]
+__all__ = [
+    "ClientOptimizer",
+    "ClientScheduler",
+    "ModelParameters",
+    "OptimizerFactory",
+    "ParamGroup",
+    "SchedulerFactory",
+    "make_loss_scaler",
+    "make_scheduler",
+    "optimizer_factory",
+    "param_groups",
+]
+
+#: A parameter group as torch's optimizers hold one: ``"params"`` and the group's options.
+ParamGroup = dict[str, Any]
+#: What builds the torch optimizer over the masters' parameter groups.
+OptimizerFactory = Callable[[list[ParamGroup]], torch.optim.Optimizer]
+#: ``initialize(optimizer=...)``, when not None: an optimizer, or what builds one.
+ClientOptimizer = torch.optim.Optimizer | OptimizerFactory
+#: What builds the LR scheduler over the torch optimizer.
+SchedulerFactory = Callable[[torch.optim.Optimizer], Scheduler]
+#: ``initialize(lr_scheduler=...)``, when not None: a scheduler, or what builds one.
+ClientScheduler = Scheduler | SchedulerFactory
+#: ``initialize(model_parameters=...)``: parameters, or parameter groups (dicts with
+#: ``"params"``), as a torch optimizer's constructor takes them.
+ModelParameters = Iterable[torch.Tensor] | Iterable[ParamGroup]
 
 _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
@@ -39,8 +65,8 @@ _DEEPSPEED_ONLY = ("torch_adam", "adam_w_mode", "fused")  # optimizer params tor
 
 
 def param_groups(
-    model: nn.Module, optimizer: Any, model_parameters: Iterable[Any] | None
-) -> tuple[list[list[nn.Parameter]], list[dict[str, Any]]]:
+    model: nn.Module, optimizer: ClientOptimizer | None, model_parameters: ModelParameters | None
+) -> tuple[list[list[nn.Parameter]], list[ParamGroup]]:
     """The trainable parameters by optimizer group, and each group's options. Parameters
     without elements are left out, as DeepSpeed leaves them: nothing to step."""
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -50,7 +76,7 @@ def param_groups(
     if raw and not isinstance(raw[0], dict):
         raw = [{"params": raw}]
     groups: list[list[nn.Parameter]] = []
-    options: list[dict[str, Any]] = []
+    options: list[ParamGroup] = []
     seen: set[int] = set()
     for entry in raw:
         params = [p for p in entry["params"] if is_optimized(p) and id(p) not in seen]
@@ -61,8 +87,8 @@ def param_groups(
 
 
 def optimizer_factory(
-    optimizer: Any, cfg: EngineConfig
-) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None:
+    optimizer: ClientOptimizer | None, cfg: EngineConfig
+) -> OptimizerFactory | None:
     """What builds the optimizer over the masters' groups; None when there is no optimizer."""
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_elementwise(optimizer)
@@ -115,13 +141,13 @@ def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _fusable(groups: list[dict[str, Any]]) -> bool:
+def _fusable(groups: list[ParamGroup]) -> bool:
     """Whether torch's fused Adam takes these parameters (on CPU or CUDA, floating point)."""
     tensors = [p for g in groups for p in g["params"]]
     return all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in tensors)
 
 
-def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> Any:
+def _repoint(optimizer: torch.optim.Optimizer, groups: list[ParamGroup]) -> torch.optim.Optimizer:
     """The user's optimizer, stepping the masters: its groups keep their options."""
     for mine, new in zip(optimizer.param_groups, groups, strict=True):
         mine["params"] = new["params"]
@@ -148,12 +174,16 @@ def make_loss_scaler(cfg: EngineConfig, device: torch.device) -> LossScalerBase 
     )
 
 
-def make_scheduler(lr_scheduler: Any, zero: ZeroOptimizer, cfg: EngineConfig) -> Any:
+def make_scheduler(
+    lr_scheduler: ClientScheduler | None, zero: ZeroOptimizer, cfg: EngineConfig
+) -> Scheduler | None:
     if lr_scheduler is not None:
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler) or hasattr(
             lr_scheduler, "step"
         ):
-            return lr_scheduler
+            # DeepSpeed's test: what has step() is the scheduler (mypy keeps the factory in
+            # the union here, a callable that may have a step attribute)
+            return cast(Scheduler, lr_scheduler)
         return lr_scheduler(zero.optimizer)
     if cfg.scheduler is None:
         return None

@@ -7,8 +7,6 @@ optimizer a caller's factory builds is checked once built, as DeepSpeed checks i
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from zengine._config import EngineConfig
@@ -40,9 +38,10 @@ def check_offloaded_optimizer(optimizer: torch.optim.Optimizer, cfg: EngineConfi
     )
 
 
-def checked_optimizer(optimizer: Any, cfg: EngineConfig) -> Any:
+def checked_optimizer(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> torch.optim.Optimizer:
     """`optimizer`, a torch optimizer a caller's factory built, once
     `check_offloaded_optimizer` lets it through (DeepSpeed checks what the factory returns)."""
+    # checked at run time too: an untyped factory may return anything, and it is passed on
     if isinstance(optimizer, torch.optim.Optimizer):
         check_offloaded_optimizer(optimizer, cfg)
     return optimizer

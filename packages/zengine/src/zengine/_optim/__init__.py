@@ -26,6 +26,7 @@ from zengine._optim._loss_scaler import (
 from zengine._optim._lr_schedules import (
     LRRangeTest,
     OneCycle,
+    Scheduler,
     WarmupCosineLR,
     WarmupDecayLR,
     WarmupLR,
@@ -44,6 +45,7 @@ __all__ = [
     "LossScalerBase",
     "MinLossScaleError",
     "OneCycle",
+    "Scheduler",
     "ShardedLayout",
     "StaticLossScaler",
     "WarmupCosineLR",

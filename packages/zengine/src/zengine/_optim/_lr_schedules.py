@@ -48,6 +48,7 @@ __all__ = [
     "WARMUP_LOG_RATE",
     "LRRangeTest",
     "OneCycle",
+    "Scheduler",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
@@ -70,6 +71,16 @@ class _HasParamGroups(Protocol):
     # Any torch optimizer, or a wrapper (ZeRO, fp16) that exposes its param groups.
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
+
+
+class Scheduler(Protocol):
+    """What an engine holds as its LR scheduler: a torch ``LRScheduler``, one of the schedules
+    here, or a caller's own. The engine steps it (DeepSpeed's test for one: it has ``step``)
+    and a checkpoint saves and restores its state."""
+
+    def step(self) -> object: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 def _check_optimizer(cls: str, optimizer: object) -> _HasParamGroups:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,6 +10,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import zcomm
 from zengine._assembly import (
+    ClientOptimizer,
+    ClientScheduler,
+    ModelParameters,
     make_loss_scaler,
     make_scheduler,
     optimizer_factory,
@@ -17,7 +20,7 @@ from zengine._assembly import (
     prepare_dense,
 )
 from zengine._config import ConfigError, ConfigSource, EngineConfig, load_config
-from zengine._optim import FlatLayout, mark_comm_dtypes
+from zengine._optim import FlatLayout, Scheduler, mark_comm_dtypes
 from zengine.pipe._engine import PipelineEngine
 from zengine.pipe._module import PipelineModule
 from zengine.pipe._optimizer import PipeZeroOptimizer
@@ -64,13 +67,13 @@ def _check(cfg: EngineConfig, model: PipelineModule) -> None:
 def initialize_pipeline(
     model: PipelineModule,
     *,
-    optimizer: Any,
-    model_parameters: Iterable[Any] | None,
+    optimizer: ClientOptimizer | None,
+    model_parameters: ModelParameters | None,
     training_data: Dataset[Any] | None,
-    lr_scheduler: Any,
+    lr_scheduler: ClientScheduler | None,
     collate_fn: Callable[..., Any] | None,
     config: ConfigSource,
-) -> tuple[PipelineEngine, PipeZeroOptimizer, DataLoader[Any] | None, Any]:
+) -> tuple[PipelineEngine, PipeZeroOptimizer, DataLoader[Any] | None, Scheduler | None]:
     """Build the pipeline engine: the stage's model on the device, tied weights equal,
     replicas equal, and the ZeRO optimizer over the data-parallel group of the stage."""
     grid = model.mpu()

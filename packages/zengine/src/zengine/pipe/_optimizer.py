@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zcomm
-from zengine._optim import FlatLayout, ZeroOptimizer
+from zengine._assembly import OptimizerFactory, ParamGroup
+from zengine._optim import FlatLayout, LossScalerBase, ZeroOptimizer
 
 __all__ = ["PipeZeroOptimizer"]
 
@@ -30,12 +30,27 @@ class PipeZeroOptimizer(ZeroOptimizer):
 
     def __init__(
         self,
-        *args: Any,
+        make_optimizer: OptimizerFactory,
+        group_options: Sequence[ParamGroup],
+        layout: FlatLayout,
+        *,
+        stage: int,
+        group: dist.ProcessGroup | None,
+        loss_scaler: LossScalerBase | None,
+        clip: float,
         pipe_group: dist.ProcessGroup,
         copies: Sequence[nn.Parameter],
-        **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        """`ZeroOptimizer`'s arguments (what a pipeline sets of them), then the pipeline's."""
+        super().__init__(
+            make_optimizer,
+            group_options,
+            layout,
+            stage=stage,
+            group=group,
+            loss_scaler=loss_scaler,
+            clip=clip,
+        )
         self.pipe_group = pipe_group
         self._counted = self._counted_ranges(copies)
 
