@@ -201,6 +201,7 @@ class TestEval(DistributedTest):
         reference = _untrained_loss(data[0])
         torch.testing.assert_close(loss.item(), reference, rtol=1e-5, atol=0)
         if engine.is_last_stage():
+            assert outputs is not None
             assert len(outputs) == 4
             assert outputs[0].shape == (2, 8, VOCAB)
         else:

@@ -13,7 +13,6 @@ computes) the steps are left as they are.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import zpipe
 
@@ -42,7 +41,7 @@ class EagerSends(zpipe.PipeSchedule):
         stage_id: int,
         *,
         base: type[zpipe.PipeSchedule],
-        **kwargs: Any,
+        **kwargs: int,  # the schedule's own (chunks)
     ) -> None:
         super().__init__(micro_batches, stages, stage_id)
         self.base = base(micro_batches=micro_batches, stages=stages, stage_id=stage_id, **kwargs)

@@ -10,7 +10,7 @@ stage steps its own parameters.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal, NoReturn, overload
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from zengine import _recompute as checkpointing
 from zengine._checkpoint import LoadOptions, SaveOptions
 from zengine._config import EngineConfig, PipelineConfig
 from zengine._engine import Engine
+from zengine._optim import Scheduler
 from zengine.pipe import _checkpoint as stage_checkpoints
 from zengine.pipe._agreement import check_agreement
 from zengine.pipe._eager import EagerSends
@@ -43,6 +44,11 @@ SCHEDULES: dict[str, type[zpipe.PipeSchedule]] = {
     "zero_bubble": zpipe.ZeroBubbleH1Schedule,
 }
 _FORWARD = (zpipe.LoadMicroBatch, zpipe.ForwardPass, zpipe.SendActivation, zpipe.RecvActivation)
+
+
+def _in_order(micro_batch: int | None) -> int:
+    """Results by micro-batch id, in order; None is a schedule's without ids (its only key)."""
+    return -1 if micro_batch is None else micro_batch
 
 
 class ForwardOnly(zpipe.PipeSchedule):
@@ -85,7 +91,7 @@ class PipelineEngine(Engine):
         self,
         module: PipelineModule,
         optimizer: PipeZeroOptimizer,
-        lr_scheduler: Any,
+        lr_scheduler: Scheduler | None,
         *,
         config: EngineConfig,
         device: torch.device,
@@ -256,12 +262,50 @@ class PipelineEngine(Engine):
         self._release_after_step()
         return loss
 
+    # what eval_batch returns follows its flags: the loss; the loss and the outputs; the outputs
+    @overload
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None = None,
+        return_logits: Literal[False] = False,
+        compute_loss: Literal[True] = True,
+    ) -> torch.Tensor: ...
+    @overload
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None,
+        return_logits: Literal[True],
+        compute_loss: Literal[True] = True,
+    ) -> tuple[torch.Tensor, list[Any] | None]: ...
+    @overload
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None = None,
+        *,
+        return_logits: Literal[True],
+        compute_loss: Literal[True] = True,
+    ) -> tuple[torch.Tensor, list[Any] | None]: ...
+    @overload
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None = None,
+        return_logits: bool = False,
+        *,
+        compute_loss: Literal[False],
+    ) -> list[Any] | None: ...
+    @overload
     def eval_batch(
         self,
         data_iter: Iterator[Any] | None = None,
         return_logits: bool = False,
         compute_loss: bool = True,
-    ) -> Any:
+    ) -> torch.Tensor | tuple[torch.Tensor, list[Any] | None] | list[Any] | None: ...
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None = None,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[Any] | None] | list[Any] | None:
         """Run the forward of one batch; returns the mean loss on every rank (and, with
         `return_logits`, the last stage's outputs per micro-batch; None on other stages).
         Without `compute_loss`, the outputs alone."""
@@ -281,7 +325,11 @@ class PipelineEngine(Engine):
         finally:
             self.module.train(was_training)
             self._idle_trim.idle()
-        outputs = [run.outputs[k] for k in sorted(run.outputs)] if self.is_last_stage() else None
+        outputs = (
+            [run.outputs[k] for k in sorted(run.outputs, key=_in_order)]
+            if self.is_last_stage()
+            else None
+        )
         if not compute_loss:
             return outputs
         loss = self._batch_loss(run.losses)
@@ -316,12 +364,12 @@ class PipelineEngine(Engine):
         self._schedules[key] = schedule
         return schedule
 
-    def _batch_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _batch_loss(self, losses: dict[int | None, torch.Tensor]) -> torch.Tensor:
         """The mean loss of the batch over micro-batches and data-parallel ranks, sent from
         the last stage to all others (every rank returns it)."""
         value = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage() and losses:
-            value = torch.stack([losses[k].float() for k in sorted(losses)]).mean()
+            value = torch.stack([losses[k].float() for k in sorted(losses, key=_in_order)]).mean()
             zcomm.all_reduce(
                 value, op=zcomm.ReduceOp.AVG, group=self.grid.get_data_parallel_group()
             )
@@ -331,17 +379,19 @@ class PipelineEngine(Engine):
 
     # -- what a pipeline engine does not do ----------------------------------------------------
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    # (each takes what the engine's own takes, any arguments of the model's forward included)
+
+    def forward(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
 
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
+    def backward(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    def step(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
 
-    def no_sync(self) -> Any:
+    def no_sync(self) -> NoReturn:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")
 
-    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+    def allreduce_gradients(self, bucket_size: int | None = None) -> NoReturn:
         raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch()")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import zpipe
 
 __all__ = ["PipelineError", "describe"]
 
 
-def describe(cmd: Any) -> str:
+def describe(cmd: zpipe.PipeInstruction) -> str:
     """An instruction as the error messages show it: its repr, and its micro-batch and chunk
     when it has them (``RecvGrad(buffer_id=1) of micro-batch 3``)."""
     text = repr(cmd)

@@ -63,6 +63,17 @@ def frame_size(slots: Slots) -> int:
     return _HEADER + sum(_nbytes(dtype, shape) for dtype, shape in slots)
 
 
+def _header_id(micro_batch: int | None) -> int:
+    """The micro-batch a frame's header names: a schedule without micro-batch ids cannot send
+    to another stage (the TypeError torch raises for a None in the header, saying why)."""
+    if micro_batch is None:
+        raise TypeError(
+            "a message to another stage names its micro-batch: the schedule's send "
+            "instructions have no micro_batch_id"
+        )
+    return micro_batch
+
+
 class Link:
     """The messages of one stage. `rank_of(stage)` is the global rank of a stage of this
     rank's pipeline; `timeout` (seconds) bounds every wait for a message; `device` is where
@@ -92,11 +103,15 @@ class Link:
 
     # -- sending -------------------------------------------------------------------------------
 
-    def send_activation(self, payload: Any, *, to: int, micro_batch: int, source: int) -> None:
-        """Send a forward output from virtual stage `source` to stage `to`."""
+    def send_activation(
+        self, payload: Any, *, to: int, micro_batch: int | None, source: int
+    ) -> None:
+        """Send a forward output from virtual stage `source` to stage `to`. (A payload is
+        what the model's layers pass on: any nest of tensors and other values.)"""
         if to == self.stage:
             self._local.setdefault((ACTIVATION, source), deque()).append(payload)
             return
+        micro_batch = _header_id(micro_batch)
         tensors, meta = flatten(payload)
         held = self.sent_meta.get(source)
         if held != meta:
@@ -109,12 +124,13 @@ class Link:
         self._post(to, self._frame(ACTIVATION, micro_batch, source, 0, tensors))
 
     def send_grads(
-        self, grads: list[torch.Tensor], *, to: int, micro_batch: int, source: int
+        self, grads: list[torch.Tensor], *, to: int, micro_batch: int | None, source: int
     ) -> None:
         """Send the input gradients of virtual stage `source` to stage `to`."""
         if to == self.stage:
             self._local.setdefault((GRADIENT, source), deque()).append(grads)
             return
+        micro_batch = _header_id(micro_batch)
         self._post(to, self._frame(GRADIENT, micro_batch, source, 0, grads))
 
     def _frame(
@@ -160,7 +176,7 @@ class Link:
     # -- receiving -----------------------------------------------------------------------------
 
     def recv_activation(
-        self, *, frm: int, micro_batch: int, source: int, where: str
+        self, *, frm: int, micro_batch: int | None, source: int, where: str
     ) -> tuple[list[torch.Tensor], Meta]:
         """The forward output virtual stage `source` (on stage `frm`) sends this stage, taken
         apart (detached tensors and the meta): the receiver rebuilds it once, from its own."""
@@ -184,7 +200,7 @@ class Link:
         return self._unpack(frame, meta.tensor_slots()), meta
 
     def recv_grads(
-        self, slots: Slots, *, frm: int, micro_batch: int, source: int, where: str
+        self, slots: Slots, *, frm: int, micro_batch: int | None, source: int, where: str
     ) -> list[torch.Tensor]:
         """The gradients of this stage's output, sent back by virtual stage `source`."""
         if frm == self.stage:
@@ -266,7 +282,7 @@ class Link:
         frame: torch.Tensor,
         frm: int,
         kinds: tuple[int, ...],
-        micro_batch: int,
+        micro_batch: int | None,  # None never matches: a frame names its micro-batch
         source: int,
         where: str,
     ) -> int:

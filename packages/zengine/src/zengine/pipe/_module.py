@@ -9,7 +9,7 @@ kept equal across those stages by the engine (see `tied_*` below).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from zengine.pipe._specs import LayerSpec, TiedLayerSpec
 
 __all__ = ["PipelineModule"]
 
+# a layer maps the activations before it to those after: the model's own values, of any kind
 Layer = Callable[[Any], Any]
 
 
@@ -72,12 +73,12 @@ class PipelineModule(nn.Module):
 
     def __init__(
         self,
-        layers: Sequence[Any],
+        layers: Iterable[LayerSpec | Layer],
         num_stages: int | None = None,
         topology: ProcessTopology | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         seed_layers: bool = False,
-        seed_fn: Callable[[int], Any] | None = None,
+        seed_fn: Callable[[int], object] | None = None,
         base_seed: int = 1234,
         partition_method: str | Sequence[int] = "parameters",
         activation_checkpoint_interval: int = 0,
@@ -142,7 +143,7 @@ class PipelineModule(nn.Module):
         """The part of the model chunk `chunk` of this stage runs."""
         return chunk * self.num_stages + self.stage_id
 
-    def _build(self, index: int, layer: Any) -> Layer:
+    def _build(self, index: int, layer: object) -> Layer:
         if isinstance(layer, TiedLayerSpec):
             if layer.key not in self.tied_modules:
                 self.tied_modules[layer.key] = layer.build()
@@ -158,7 +159,7 @@ class PipelineModule(nn.Module):
             self.add_module(str(index), layer)
             return layer
         if callable(layer):
-            return layer  # type: ignore[no-any-return]
+            return layer
         raise TypeError(
             f"PipelineModule: layer {index} is a {type(layer).__name__}; expected an "
             "nn.Module, a LayerSpec or a callable"

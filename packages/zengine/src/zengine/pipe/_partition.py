@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -58,7 +57,7 @@ def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
     return found
 
 
-def layer_name(layer: Any) -> str:
+def layer_name(layer: object) -> str:
     """The class name a ``type:`` partition matches: the spec's class, the module's, or the
     callable's name."""
     if isinstance(layer, LayerSpec):
@@ -68,7 +67,7 @@ def layer_name(layer: Any) -> str:
     return str(getattr(layer, "__name__", type(layer).__name__))
 
 
-def _trainable(layer: Any) -> int:
+def _trainable(layer: object) -> int:
     if isinstance(layer, LayerSpec):
         with torch.device("meta"):  # counted without allocating or touching the RNG state
             layer = layer.build()
@@ -93,7 +92,7 @@ def _explicit(parts: Sequence[int], num_layers: int, num_parts: int) -> list[int
 
 
 def partition_layers(
-    layers: Sequence[Any], num_parts: int, method: str | Sequence[int]
+    layers: Sequence[object], num_parts: int, method: str | Sequence[int]
 ) -> list[int]:
     """The ``parts`` list of `layers` split `num_parts` ways by `method`: ``parameters``
     (trainable parameters), ``uniform`` (layer count), ``type:REGEX`` (layers whose class

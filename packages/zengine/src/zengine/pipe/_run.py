@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,19 @@ from zengine.pipe._split import SplitBackward
 
 __all__ = ["BatchRun", "StageContext"]
 
+_I = TypeVar("_I", bound=zpipe.PipeInstruction)
+_Handler = Callable[[zpipe.PipeInstruction], None]
+_Receive = zpipe.RecvActivation | zpipe.RecvGrad
+
+
+def _handles(
+    kind: type[_I], handler: Callable[[_I], None]
+) -> tuple[type[zpipe.PipeInstruction], _Handler]:
+    """`handler` filed under `kind`: `BatchRun._handler` finds it by an instruction's class, so
+    it is only ever called with a `kind` (or a subclass), whatever the dict's type says."""
+    return kind, cast(_Handler, handler)
+
+
 # the computations whose seconds `PipelineEngine.compute_times` records
 _KINDS: dict[type[zpipe.PipeInstruction], str] = {
     zpipe.ForwardPass: "F",
@@ -41,6 +54,7 @@ _KINDS: dict[type[zpipe.PipeInstruction], str] = {
 class _Slot:
     """One micro-batch on one chunk of this stage."""
 
+    # a micro-batch's data are the caller's: any nest of tensors and other values (a pytree)
     inputs: Any = None  # what the forward takes: loaded, or received (float leaves need grad)
     in_floats: list[torch.Tensor] = field(default_factory=list)  # received float tensors
     labels: Any = None  # on the last virtual stage
@@ -74,7 +88,7 @@ class StageContext:
     optimizer_step: Callable[[], None]  # the OptimizerStep instruction
 
 
-def _floats(payload: Any) -> list[torch.Tensor]:
+def _floats(payload: object) -> list[torch.Tensor]:
     leaves = pytree.tree_leaves(payload)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
@@ -102,24 +116,28 @@ class BatchRun:
         # stage's inputs and one for the last's labels, when this stage holds them
         self.loads = sum(int(schedule.owner(v)[0]) == self.stage for v in {0, self.last})
         self.loaded: dict[int, int] = {}  # micro-batch -> loads made
-        self.losses: dict[int, torch.Tensor] = {}  # micro-batch -> loss (last stage)
-        self.outputs: dict[int, Any] = {}  # micro-batch -> output (last stage, eval)
-        self.handlers: dict[type[zpipe.PipeInstruction], Callable[[Any], None]] = {
-            zpipe.LoadMicroBatch: self.load,
-            zpipe.ForwardPass: self.forward,
-            zpipe.BackwardPass: self.backward,
-            zpipe.BackwardInputPass: self.backward_input,
-            zpipe.BackwardWeightPass: self.backward_weight,
-            zpipe.SendActivation: self.send_activation,
-            zpipe.RecvActivation: self.recv_activation,
-            zpipe.SendGrad: self.send_grad,
-            zpipe.RecvGrad: self.recv_grad,
-            zpipe.ReduceTiedGrads: lambda _: ctx.module.allreduce_tied_grads(
-                ctx.layout.accumulated_grad
-            ),
-            zpipe.ReduceGrads: lambda _: ctx.layout.after_backward(True),
-            zpipe.OptimizerStep: lambda _: ctx.optimizer_step(),
-        }
+        # micro-batch -> loss (last stage); None: a schedule without micro-batch ids
+        self.losses: dict[int | None, torch.Tensor] = {}
+        self.outputs: dict[int | None, Any] = {}  # micro-batch -> output (last stage, eval)
+        self.handlers: dict[type[zpipe.PipeInstruction], _Handler] = dict(
+            [
+                _handles(zpipe.LoadMicroBatch, self.load),
+                _handles(zpipe.ForwardPass, self.forward),
+                _handles(zpipe.BackwardPass, self.backward),
+                _handles(zpipe.BackwardInputPass, self.backward_input),
+                _handles(zpipe.BackwardWeightPass, self.backward_weight),
+                _handles(zpipe.SendActivation, self.send_activation),
+                _handles(zpipe.RecvActivation, self.recv_activation),
+                _handles(zpipe.SendGrad, self.send_grad),
+                _handles(zpipe.RecvGrad, self.recv_grad),
+                _handles(
+                    zpipe.ReduceTiedGrads,
+                    lambda _: ctx.module.allreduce_tied_grads(ctx.layout.accumulated_grad),
+                ),
+                _handles(zpipe.ReduceGrads, lambda _: ctx.layout.after_backward(True)),
+                _handles(zpipe.OptimizerStep, lambda _: ctx.optimizer_step()),
+            ]
+        )
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -155,9 +173,11 @@ class BatchRun:
 
     # -- receives posted ahead -----------------------------------------------------------------
 
-    def _receives(self, program: list[tuple[int, Any]]) -> dict[int, deque[tuple[int, Any]]]:
+    def _receives(
+        self, program: list[tuple[int, zpipe.PipeInstruction]]
+    ) -> dict[int, deque[tuple[int, _Receive]]]:
         """Per peer stage, its receive instructions in program order (index, instruction)."""
-        found: dict[int, deque[tuple[int, Any]]] = {}
+        found: dict[int, deque[tuple[int, _Receive]]] = {}
         for at, (_, cmd) in enumerate(program):
             if isinstance(cmd, zpipe.RecvActivation | zpipe.RecvGrad):
                 peer = self._sender(cmd)
@@ -165,7 +185,7 @@ class BatchRun:
                     found.setdefault(peer, deque()).append((at, cmd))
         return found
 
-    def _post_ahead(self, at: int, receives: dict[int, deque[tuple[int, Any]]]) -> None:
+    def _post_ahead(self, at: int, receives: dict[int, deque[tuple[int, _Receive]]]) -> None:
         """Instruction `at` is done: post each peer's next receive whose size is known now (a
         gradient's once its forward ran, an activation's once its source's shapes are)."""
         link = self.context.link
@@ -177,11 +197,11 @@ class BatchRun:
                 if nbytes is not None:
                     link.post_ahead(peer, nbytes)
 
-    def _sender(self, cmd: Any) -> int:
+    def _sender(self, cmd: _Receive) -> int:
         virtual = self._virtual(cmd)
         return self._peer(virtual - 1 if isinstance(cmd, zpipe.RecvActivation) else virtual + 1)
 
-    def _frame_bytes(self, cmd: Any) -> int | None:
+    def _frame_bytes(self, cmd: _Receive) -> int | None:
         """The size of the frame receive `cmd` takes, or None while it is not known."""
         if isinstance(cmd, zpipe.RecvActivation):
             meta = self.context.link.recv_meta.get(self._virtual(cmd) - 1)
@@ -191,7 +211,7 @@ class BatchRun:
             return None
         return frame_size([(t.dtype, tuple(t.shape)) for t in slot.out_floats])
 
-    def _expected(self, remaining: list[Any]) -> dict[int, int]:
+    def _expected(self, remaining: list[zpipe.PipeInstruction]) -> dict[int, int]:
         """Per peer stage, the size of the frame it expects next from this stage: that of the
         first send to it still to come (see [Note: the message format] in _link.py)."""
         link, found = self.context.link, {}
@@ -211,7 +231,9 @@ class BatchRun:
             found[peer] = frame_size(slots)
         return found
 
-    def _grad_slots(self, cmd: Any, virtual: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    def _grad_slots(
+        self, cmd: zpipe.BufferOpInstruction, virtual: int
+    ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         """The dtypes and shapes of the gradients `cmd` sends: those of the floating-point
         tensors received for its micro-batch (or, not received yet, the last shapes seen)."""
         slot = self.slots.get(self._key(cmd))
@@ -222,7 +244,7 @@ class BatchRun:
             return []
         return [(d, shape) for d, shape in meta.tensor_slots() if d.is_floating_point]
 
-    def _handler(self, kind: type[zpipe.PipeInstruction]) -> Callable[[Any], None] | None:
+    def _handler(self, kind: type[zpipe.PipeInstruction]) -> _Handler | None:
         """The handler of an instruction class, or of its nearest base with one (so a
         subclass of an instruction runs as its base unless it is registered itself)."""
         for klass in kind.__mro__:
@@ -233,14 +255,14 @@ class BatchRun:
 
     # -- where an instruction's data lives -----------------------------------------------------
 
-    def _key(self, cmd: Any) -> tuple[int, int]:
+    def _key(self, cmd: zpipe.BufferOpInstruction) -> tuple[int, int]:
         mb = cmd.micro_batch_id
         return (mb if mb is not None else -1 - cmd.buffer_id, cmd.chunk_id)
 
-    def _slot(self, cmd: Any) -> _Slot:
+    def _slot(self, cmd: zpipe.BufferOpInstruction) -> _Slot:
         return self.slots.setdefault(self._key(cmd), _Slot())
 
-    def _virtual(self, cmd: Any) -> int:
+    def _virtual(self, cmd: zpipe.BufferOpInstruction) -> int:
         return int(self.schedule.virtual_stage(cmd.chunk_id))
 
     def _peer(self, virtual: int) -> int:
@@ -248,7 +270,7 @@ class BatchRun:
 
     # -- data and forward ----------------------------------------------------------------------
 
-    def load(self, cmd: Any) -> None:
+    def load(self, cmd: zpipe.LoadMicroBatch) -> None:
         mb = cmd.micro_batch_id
         if mb is None:  # a schedule without micro-batch ids loads them in order
             mb = sum(self.loaded.values()) // max(self.loads, 1)
@@ -280,7 +302,7 @@ class BatchRun:
         if virtual == self.last:
             slot.labels = pytree.tree_map(lambda t: _to(t, device), batch[1])
 
-    def forward(self, cmd: Any) -> None:
+    def forward(self, cmd: zpipe.ForwardPass) -> None:
         slot, ctx = self._slot(cmd), self.context
         with forward_autocast(ctx.autocast, ctx.device):  # torch_autocast's, if on
             outputs = ctx.module(slot.inputs, chunk=cmd.chunk_id)
@@ -306,7 +328,7 @@ class BatchRun:
 
     # -- activations ---------------------------------------------------------------------------
 
-    def send_activation(self, cmd: Any) -> None:
+    def send_activation(self, cmd: zpipe.SendActivation) -> None:
         slot, virtual = self._slot(cmd), self._virtual(cmd)
         self.context.link.send_activation(
             slot.outputs,
@@ -317,7 +339,7 @@ class BatchRun:
         if not self.train:
             self.slots.pop(self._key(cmd))
 
-    def recv_activation(self, cmd: Any) -> None:
+    def recv_activation(self, cmd: zpipe.RecvActivation) -> None:
         virtual = self._virtual(cmd)
         tensors, meta = self.context.link.recv_activation(  # detached: this stage's graph
             frm=self._peer(virtual - 1),  # starts here
@@ -332,7 +354,9 @@ class BatchRun:
 
     # -- backward ------------------------------------------------------------------------------
 
-    def _targets(self, cmd: Any, slot: _Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _targets(
+        self, cmd: zpipe.BufferOpInstruction, slot: _Slot
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What the backward starts from: the scaled loss, or the outputs and their grads."""
         if self._virtual(cmd) == self.last:
             loss = slot.outputs.float() * self.context.loss_factor
@@ -344,7 +368,7 @@ class BatchRun:
         ]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
-    def backward(self, cmd: Any) -> None:
+    def backward(self, cmd: zpipe.BackwardPass) -> None:
         slot = self._slot(cmd)
         outputs, grads = self._targets(cmd, slot)
         if outputs:
@@ -354,7 +378,7 @@ class BatchRun:
         ]
         self._backward_done(cmd, slot)
 
-    def backward_input(self, cmd: Any) -> None:
+    def backward_input(self, cmd: zpipe.BackwardInputPass) -> None:
         slot = self._slot(cmd)
         outputs, grads = self._targets(cmd, slot)
         params = self.context.chunk_parameters(cmd.chunk_id)
@@ -366,7 +390,7 @@ class BatchRun:
         ]
         slot.outputs, slot.out_floats, slot.out_grads = None, [], None  # the split holds them
 
-    def backward_weight(self, cmd: Any) -> None:
+    def backward_weight(self, cmd: zpipe.BackwardWeightPass) -> None:
         slot = self._slot(cmd)
         if slot.split is None:
             raise RuntimeError("BackwardWeightPass before its BackwardInputPass")
@@ -374,7 +398,7 @@ class BatchRun:
         slot.split = None
         self._backward_done(cmd, slot)
 
-    def _backward_done(self, cmd: Any, slot: _Slot) -> None:
+    def _backward_done(self, cmd: zpipe.BufferOpInstruction, slot: _Slot) -> None:
         # the micro-batch's weight gradients are all in: into the wide buffers, when the
         # engine accumulates in a wider dtype than the parameters' (grad_accum_dtype)
         self.context.layout.fold()
@@ -382,13 +406,13 @@ class BatchRun:
         slot.backward_done = True
         self._release(cmd, slot)
 
-    def _release(self, cmd: Any, slot: _Slot) -> None:
+    def _release(self, cmd: zpipe.BufferOpInstruction, slot: _Slot) -> None:
         """Drop the slot once its backward is done and its input gradients are sent (the
         first virtual stage sends none)."""
         if slot.backward_done and (slot.grads_sent or self._virtual(cmd) == 0):
             self.slots.pop(self._key(cmd), None)
 
-    def send_grad(self, cmd: Any) -> None:
+    def send_grad(self, cmd: zpipe.SendGrad) -> None:
         slot, virtual = self._slot(cmd), self._virtual(cmd)
         if slot.input_grads is None:
             raise RuntimeError("SendGrad before the backward that makes the gradients")
@@ -402,7 +426,7 @@ class BatchRun:
         slot.grads_sent = True
         self._release(cmd, slot)
 
-    def recv_grad(self, cmd: Any) -> None:
+    def recv_grad(self, cmd: zpipe.RecvGrad) -> None:
         slot, virtual = self._slot(cmd), self._virtual(cmd)
         shapes = [(t.dtype, tuple(t.shape)) for t in slot.out_floats]
         slot.out_grads = self.context.link.recv_grads(
@@ -414,11 +438,11 @@ class BatchRun:
         )
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def _to(value: object, device: torch.device) -> object:
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def _needing_grad(value: Any) -> Any:
+def _needing_grad(value: object) -> object:
     """A floating-point tensor as a leaf that requires grad (detached first: the caller's
     tensor stays as it was), anything else as it is."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():

@@ -14,9 +14,8 @@ back to a second full backward towards the weights, which is exact but costs mor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +52,7 @@ class _WeightWork:
 
     node: Node
     weights: list[nn.Parameter]
-    grads: tuple[Any, ...] = field(default=())
+    grads: tuple[torch.Tensor | None, ...] = field(default=())
 
 
 class SplitBackward:
@@ -90,8 +89,8 @@ class SplitBackward:
         return list(found)
 
     @staticmethod
-    def _keeper(work: _WeightWork) -> Any:
-        def keep(grad_outputs: tuple[Any, ...]) -> None:
+    def _keeper(work: _WeightWork) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+        def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             work.grads = grad_outputs
 
         return keep
@@ -113,7 +112,11 @@ class SplitBackward:
         self._work, self._roots = [], []
 
     @staticmethod
-    def _accumulate(weights: list[nn.Parameter], roots: Sequence[Any], grads: list[Any]) -> None:
+    def _accumulate(
+        weights: list[nn.Parameter],
+        roots: Sequence[torch.Tensor] | Sequence[GradientEdge],
+        grads: list[torch.Tensor],
+    ) -> None:
         found = torch.autograd.grad(roots, weights, grads, retain_graph=True, allow_unused=True)
         # autograd.grad's annotation says Tensor, but allow_unused gives None for a weight
         # this root does not reach
