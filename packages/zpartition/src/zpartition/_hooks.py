@@ -343,7 +343,8 @@ class State:
             return
         if param.ds_id not in running.module.__dict__.get("_external_params", {}):
             register_external_parameter(running.module, param)
-        self.coordinator.fetch((unit,), running.mid)
+        # a parameter's unit is a Unit (_param declares it by what its readers use)
+        self.coordinator.fetch((cast(Unit, unit),), running.mid)
 
     # -- backward --------------------------------------------------------------------------
 

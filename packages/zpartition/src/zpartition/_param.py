@@ -12,14 +12,20 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from zpartition._status import ZeroParamStatus
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from zpartition._channel import Channel
+
 __all__ = [
+    "UnitView",
     "ZeroParameter",
     "convert_parameter",
     "next_module_id",
@@ -28,8 +34,35 @@ __all__ = [
     "zero_params",
 ]
 
+
+class UnitView(Protocol):
+    """A parameter's unit (``param.ds_unit``, a `zpartition._unit.Unit`) as those holding the
+    parameter or its shard (`zpartition._shard`) read it. Declared here, with the parameter:
+    the unit module imports this one."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def params(self) -> list[ZeroParameter]: ...
+    @property
+    def channel(self) -> Channel: ...
+    @property
+    def replicate(self) -> dist.ProcessGroup | None: ...
+    @property
+    def persistent(self) -> bool: ...
+    @property
+    def users(self) -> set[int]: ...  # ids of the modules that hold it gathered
+    @property
+    def status(self) -> ZeroParamStatus: ...
+    @property
+    def shard(self) -> torch.Tensor: ...
+    @property
+    def journal(self) -> list[ZeroParameter] | None: ...  # where shard writes are recorded
+    def bring_in(self) -> None: ...
+    def put_away(self) -> None: ...
+
+
 if TYPE_CHECKING:
-    from zpartition._unit import Unit
 
     class ZeroParameter(nn.Parameter):
         """A Parameter with what partitioning adds, for the type checker: at run time it is the
@@ -42,7 +75,7 @@ if TYPE_CHECKING:
         ds_persist: bool
         ds_status: ZeroParamStatus
         ds_active_sub_modules: set[int]
-        ds_unit: Unit | None
+        ds_unit: UnitView | None
         ds_name: str
         ds_z3_leaf_module: nn.Module
 

@@ -37,16 +37,13 @@ import copy
 import inspect
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zpartition._errors import ZeroParamError
+from zpartition._param import UnitView, ZeroParameter
 from zpartition._status import ZeroParamStatus
-
-if TYPE_CHECKING:
-    from zpartition._param import ZeroParameter
-    from zpartition._unit import Unit
 
 __all__ = ["ShardTensor", "check_bound", "make_shard", "retire"]
 
@@ -66,7 +63,7 @@ class ShardTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    _zp_unit: Unit | None  # the unit whose shard this is; None once a new unit replaced it
+    _zp_unit: UnitView | None  # the unit whose shard this is; None once a new unit replaced it
     _zp_param: ZeroParameter  # the parameter it is the shard of (named in the journal)
 
     @property
@@ -138,7 +135,7 @@ def _register_foreach() -> None:
 _register_foreach()
 
 
-def make_shard(view: torch.Tensor, unit: Unit, param: ZeroParameter) -> ShardTensor:
+def make_shard(view: torch.Tensor, unit: UnitView, param: ZeroParameter) -> ShardTensor:
     """A `ShardTensor` on `view`'s memory (a slice of `unit`'s shard buffer) for `param`."""
     shard = torch.Tensor._make_subclass(ShardTensor, view, False)
     shard._zp_unit = unit
