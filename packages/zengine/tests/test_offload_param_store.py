@@ -160,3 +160,25 @@ def test_shards_written_behind_come_back_and_a_failed_write_is_noted(
     store.fetch([shards[1]])
     assert torch.equal(shards[1], (expected[1] + 1) * 2)
     store.close()
+
+
+def test_shards_the_step_overwrites_come_back_zeroed_without_a_read(tmp_path: Path) -> None:
+    # [Note: shards the step overwrites]
+    store, shards, expected = store_of(tmp_path, read_ahead=0)
+    before = zoffload.nvme_stats()
+    store.reclaim(shards[:2])
+    assert (zoffload.nvme_stats() - before).bytes_read == 0
+    assert not any(map(away, shards[:2]))
+    assert all(map(away, shards[2:]))
+    assert all(not s.any() for s in shards[:2])
+    assert len(list(store.folder.glob("*.swap"))) == 3  # their files went
+    for shard, e in zip(shards[:2], expected[:2], strict=True):
+        shard.copy_(e * 2)  # the step's write-back
+        store.evict(shard)
+    assert len(list(store.folder.glob("*.swap"))) == 5
+    store.fetch(shards)
+    assert torch.equal(shards[1], expected[1] * 2)
+    assert torch.equal(shards[2], expected[2])
+    store.reclaim(shards[:1])  # in memory already: kept as it is
+    assert torch.equal(shards[0], expected[0] * 2)
+    store.close()

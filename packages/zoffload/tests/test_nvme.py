@@ -374,3 +374,23 @@ def test_scratch_files_skip_the_fsyncs_and_come_back_the_same(offloader, monkeyp
     assert torch.equal(tensors["b"], expected["b"])
     offload_some(offloader)  # durable (the default): the file and its folder synced
     assert len(synced) == 2
+
+
+def test_reclaim_gives_the_memory_back_unread_and_drops_the_file(offloader):
+    # for a caller about to overwrite every byte (an optimizer step's shard)
+    tensors, expected, handle = offload_some(offloader, durable=False)
+    path = handle.path
+    handle.reclaim()
+    assert handle.state == "resident"
+    assert handle.path is None
+    assert path is not None
+    assert not path.exists()
+    assert all(t.untyped_storage().nbytes() == e.untyped_storage().nbytes() for t, e in
+               zip(tensors.values(), expected.values(), strict=True))  # fmt: skip
+    for name, value in expected.items():
+        tensors[name].copy_(value * 2)
+    handle.offload(rewrite=False)  # no copy to keep: written anew all the same
+    handle.reload()
+    assert all(torch.equal(tensors[k], v * 2) for k, v in expected.items())
+    with pytest.raises(zoffload.OffloadError, match="reclaim: the handle is resident"):
+        handle.reclaim()

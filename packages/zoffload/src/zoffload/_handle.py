@@ -390,6 +390,20 @@ class OffloadHandle:
         self._offload(non_blocking=non_blocking, nvme_file=None)
         return self
 
+    def reclaim(self) -> OffloadHandle:
+        """The storages back at their size without reading their bytes, which are dropped
+        (the file goes, or the host copy): for a caller about to overwrite every byte, as an
+        optimizer step overwrites a parameter shard. What they hold until then is undefined;
+        the next `offload` writes them anew (``rewrite`` or not: there is no copy to keep)."""
+        self.wait()  # an offload still in flight completes first (and raises if it failed)
+        if self._state != "offloaded":
+            raise OffloadError(f"reclaim: the handle is {self._state}, not offloaded ({self!r})")
+        self._restore()
+        self._drop_copy()
+        _registry.remove(self._keys, self)
+        self._state = "resident"
+        return self
+
     def discard_copy(self) -> None:
         """Give back the copy that ``reload(keep=True)`` kept (its host memory, its file)."""
         self.wait()  # a reload still reading the copy finishes first

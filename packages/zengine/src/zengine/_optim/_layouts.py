@@ -398,6 +398,9 @@ class ShardedLayout:
         self.take_written: Callable[[], list[ZeroParameter]] | None = None
         self._written: dict[int, ZeroParameter] = {}
         self.shard_store: NvmeShardStore | None = None
+        # the units of the tile being stepped that its write-back reclaims, unread ([Note:
+        # shards the step overwrites])
+        self._overwrite: list[zpartition.Unit] = []
         # hybrid sharding: averages the gradient partition across the replicas (zpartition's
         # `Partitioned.all_reduce_replicas`), once per accumulation, at its last backward
         self.all_reduce_replicas: Callable[[Sequence[torch.Tensor]], None] | None = None
@@ -580,18 +583,33 @@ class ShardedLayout:
             self.shard_store.holding = False  # each tile's shards go back after it
             # in a tiled step, written while the next tile steps ([Note: writing shards behind])
             self.shard_store.write_behind = params is not None
+        units = self._units_of(params)
+        self._take_written()
+        if units is not None and self.shard_store is not None and not self.aliased:
+            # [Note: shards the step overwrites]: not read, reclaimed by `write_back`
+            self._overwrite = [u for u in units if self._overwritten(u, params)]
+            units = [u for u in units if not any(u is o for o in self._overwrite)]
         if self.partitioned is not None:
-            self.partitioned.fetch_shards(self._units_of(params))
+            self.partitioned.fetch_shards(units)
         self._read_written(params)
+
+    def _overwritten(self, unit: zpartition.Unit, params: Sequence[nn.Parameter] | None) -> bool:
+        """Whether the write-back of `params` overwrites every parameter of `unit`'s shard,
+        which the store keeps and none of which was written through ``ds_tensor``."""
+        if unit.store is not self.shard_store or unit.codes is not None or params is None:
+            return False
+        mine = {id(p) for p in params}
+        return all(
+            id(p) in mine and id(p) in self._pair_of and id(p) not in self._written
+            for p in unit.params
+        )
 
     def _read_written(self, params: Sequence[nn.Parameter] | None) -> None:
         """A shard written through ``ds_tensor`` (DeepSpeed code writes ``param.ds_tensor.data
         = t``) into its master, before the step (of these parameters, or all) would write the
         old master back over it; fp32 shards that are their own masters hold the write
         already. Nothing is done while nothing was written."""
-        if self.take_written is not None:
-            for p in self.take_written():
-                self._written[id(p)] = p
+        self._take_written()
         if not self._written or self.aliased:
             self._written.clear()
             return
@@ -601,6 +619,12 @@ class ShardedLayout:
         pairs = [self._pair_of[key] for key in due if key in self._pair_of]
         if pairs:
             self._copy([m for _, m in pairs], [s for s, _ in pairs])  # type: ignore[misc]
+
+    def _take_written(self) -> None:
+        """The parameters written through ``ds_tensor`` since last asked, noted."""
+        if self.take_written is not None:
+            for p in self.take_written():
+                self._written[id(p)] = p
 
     def read_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """The shards (of these parameters, or all) into the masters, the inverse of
@@ -623,6 +647,11 @@ class ShardedLayout:
     def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """The updated masters (of these parameters, or all) into the shards; with offload_param
         to NVMe, those shards back to their files."""
+        overwrite, self._overwrite = self._overwrite, []
+        if overwrite and self.shard_store is not None:
+            # in memory only now, just before they are overwritten ([Note: shards the step
+            # overwrites]): a step that raised before this left them in their files
+            self.shard_store.reclaim([u.shard for u in overwrite])
         if self.aliased:
             pass  # the step updated the shards themselves
         elif params is None:
