@@ -19,7 +19,7 @@ from zengine import ConfigError
 
 
 def _shard_numel(module: nn.Linear) -> int:
-    return int(module.weight.ds_tensor.numel())  # type: ignore[attr-defined]
+    return int(module.weight.ds_tensor.numel())
 
 
 class TestConfigRead(DistributedTest):
@@ -28,14 +28,14 @@ class TestConfigRead(DistributedTest):
     def test_dtype_hjson_and_deepspeeds_positional_order(self, tmp_path: Path) -> None:
         with zengine.zero.Init(config_dict_or_path={"fp16": {"enabled": True}}):
             half = nn.Linear(3, 3)
-        assert half.weight.ds_tensor.dtype == torch.float16  # type: ignore[attr-defined]
+        assert half.weight.ds_tensor.dtype == torch.float16
         # DeepSpeed's older section name, a switch written 1; `config` is the alias
         with zengine.zero.Init(config={"bfloat16": {"enabled": 1}}):
             brain = nn.Linear(3, 3)
-        assert brain.weight.ds_tensor.dtype == torch.bfloat16  # type: ignore[attr-defined]
+        assert brain.weight.ds_tensor.dtype == torch.bfloat16
         with zengine.zero.Init(config={"bf16": {"enabled": True}}, dtype=torch.float32):
             kept = nn.Linear(3, 3)  # the argument wins over the config
-        assert kept.weight.ds_tensor.dtype == torch.float32  # type: ignore[attr-defined]
+        assert kept.weight.ds_tensor.dtype == torch.float32
         # an HJSON file (comments, unquoted keys), which initialize reads too
         rank = dist.get_rank()
         path = tmp_path / f"ds_config_{rank}.json"
@@ -44,7 +44,7 @@ class TestConfigRead(DistributedTest):
         # remote_device, pin_memory, config_dict_or_path
         with zengine.zero.Init(None, None, True, "cpu", False, str(path)):
             from_file = nn.Linear(4, 4)
-        assert from_file.weight.ds_tensor.dtype == torch.bfloat16  # type: ignore[attr-defined]
+        assert from_file.weight.ds_tensor.dtype == torch.bfloat16
         assert _shard_numel(from_file) == 8
         # DeepSpeed's keywords that change nothing here
         with zengine.zero.Init(

@@ -105,6 +105,12 @@ _KEYS = (
         (_ZERO, "stage3_use_all_reduce_for_fetch_params"), "all-reduce parameter fetches", _anything
     ),
     _Key((_ZERO, "allgather_sequential"), "one all-gather per parameter", _anything),
+    # zpartition's GatheredParameters without a modifier always checks for changes (and
+    # raises DiscardedChangeError on every rank), the check this switch turns on in DeepSpeed
+    _Key((_ZERO, "enable_sanity_checks"), "GatheredParameters' change check", _anything),
+    # stages 1-2: DeepSpeed's choice of one all-reduce or a reduce per rank for a bucket
+    _Key((_ZERO, "use_multi_rank_bucket_allreduce"), "one all-reduce per bucket", _anything),
+    _Key((_ZERO, "save_muon_momentum_buffer_in_memory"), "Muon's buffer kept in memory", _anything),
     # DeepSpeed loads its checkpoints rank after rank to bound host memory; zstack's loads map
     # the files and each rank reads only its own pieces, so the bound holds either way
     _Key((_ZERO, "pipeline_loading_checkpoint"), "rank-by-rank checkpoint loading", _anything),
