@@ -26,6 +26,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from zengine._checkpoint._ds_files import expert_optim_name
+from zengine._checkpoint._engine_view import StageEngine
 from zengine._checkpoint._errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -70,6 +71,7 @@ __all__ = [
     "PipelineLayers",
     "SafetensorsWriter",
     "SaveOptions",
+    "StageEngine",
     "StageLayout",
     "Sync",
     "UnsafeCheckpointError",

@@ -167,7 +167,11 @@ class EngineConfig(_Sections):
     @property
     def gradient_reduction(self) -> GradReduction:
         """``gradient_allreduce_op``, ``prescale_gradients`` and ``gradient_predivide_factor``."""
-        return GradReduction.from_config(self)
+        return GradReduction(
+            average=self.gradient_allreduce_op == "mean",
+            prescale=bool(self.prescale_gradients),
+            predivide=float(self.gradient_predivide_factor),
+        )
 
     @property
     def gradient_accumulation_dtype(self) -> DataType | None:

@@ -27,10 +27,6 @@ world of one reduces nothing and scales nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from zengine._config._engine_config import EngineConfig
 
 __all__ = ["GradReduction"]
 
@@ -42,15 +38,6 @@ class GradReduction:
     average: bool = True  # gradient_allreduce_op "mean"; False: "sum"
     prescale: bool = False  # prescale_gradients
     predivide: float = 1.0  # gradient_predivide_factor
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> GradReduction:
-        """The options of an `EngineConfig` (its top-level keys)."""
-        return cls(
-            average=config.gradient_allreduce_op == "mean",
-            prescale=bool(config.prescale_gradients),
-            predivide=float(config.gradient_predivide_factor),
-        )
 
     @property
     def is_mean(self) -> bool:

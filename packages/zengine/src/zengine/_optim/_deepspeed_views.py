@@ -10,20 +10,16 @@ why).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zcomm
+from zengine._optim._layout import Layout
 from zengine._optim._layouts import ALIGNMENT, FlatLayout, ShardedLayout
 from zengine._optim._loss_scaler import DynamicLossScaler, LossScalerBase
 from zengine._optim._parameter_offload import ParameterOffload
 from zengine._optim._partitions import Partitions
-
-if TYPE_CHECKING:
-    from zengine._optim._zero_optimizer import Layout
 
 __all__ = ["DeepSpeedViews"]
 

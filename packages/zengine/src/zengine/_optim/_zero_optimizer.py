@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,44 +26,14 @@ from zengine._offload import (
     zero_releasing_pages,
 )
 from zengine._optim._deepspeed_views import DeepSpeedViews
+from zengine._optim._layout import Layout
 from zengine._optim._layouts import ShardedLayout
 from zengine._optim._loss_scaler import LossScalerBase
-from zengine._optim._partitions import Partitions
 from zoffload import release_pages
 
 __all__ = ["Layout", "ZeroOptimizer"]
 
 log = logging.getLogger("zengine")
-
-
-class Layout(Protocol):
-    """What the optimizer, the engine and offload_states use of a layout: `FlatLayout`
-    (stages 0-2) or `ShardedLayout` (stage 3)."""
-
-    partitions: Partitions
-    # per group: the compute-dtype parameters' flat storage, the full gradients accumulated
-    # over micro-batches (stages 0, 1) and one backward's in the compute dtype when those are
-    # wider; empty where the layout keeps none (stage 3's parameters are zpartition's shards)
-    flats: list[torch.Tensor]
-    grad_flats: list[torch.Tensor]
-    low_grad_flats: list[torch.Tensor]
-    # the masters not read from the shards yet (stage 3 with NVMe: read a tile at a time)
-    masters_unread: bool
-
-    @property
-    def params(self) -> Sequence[Sequence[nn.Parameter]]: ...
-
-    def before_backward(self, boundary: bool) -> None: ...
-    def after_backward(self, boundary: bool) -> None: ...
-    def discard_accumulated(self) -> None: ...
-    def hold_gradients(self, hold: bool) -> None: ...
-    def reduce_held(self) -> None: ...
-    def tiles(self) -> list[list[nn.Parameter]] | None: ...
-    def before_step(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
-    def write_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
-    def read_back(self, params: Sequence[nn.Parameter] | None = None) -> None: ...
-    def after_step(self) -> None: ...
-    def remove(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

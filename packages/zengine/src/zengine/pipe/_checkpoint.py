@@ -11,15 +11,12 @@ then, not with the pipeline.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from zengine import _checkpoint
-from zengine._checkpoint import LoadOptions, SaveOptions
+from zengine._checkpoint import LoadOptions, SaveOptions, StageEngine
 from zengine.pipe._module import PipelineModule
 from zengine.pipe._specs import TiedLayerSpec
-
-if TYPE_CHECKING:
-    from zengine.pipe._engine import PipelineEngine
 
 __all__ = ["load_checkpoint", "pipeline_layers", "save_checkpoint"]
 
@@ -67,11 +64,19 @@ def pipeline_layers(module: PipelineModule) -> _checkpoint.PipelineLayers:
     return _checkpoint.PipelineLayers(module_layout(module), _labeller(module), _prefixer(module))
 
 
-def save_checkpoint(engine: PipelineEngine, options: SaveOptions) -> bool:
+class PipeStage(StageEngine, Protocol):
+    """A pipeline engine as its checkpoint reads it: one stage, over a `PipelineModule`
+    (declared here so that this module need not import the engine that calls it)."""
+
+    @property
+    def module(self) -> PipelineModule: ...
+
+
+def save_checkpoint(engine: PipeStage, options: SaveOptions) -> bool:
     return _checkpoint.save_stages(engine, options, pipeline_layers(engine.module))
 
 
 def load_checkpoint(
-    engine: PipelineEngine, options: LoadOptions
+    engine: PipeStage, options: LoadOptions
 ) -> tuple[str | None, dict[str, Any] | None]:
     return _checkpoint.load_stages(engine, options, pipeline_layers(engine.module))
