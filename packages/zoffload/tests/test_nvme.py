@@ -358,9 +358,14 @@ def test_a_forked_child_does_not_wait_for_the_parents_removals(offloader):
 def test_scratch_files_skip_the_fsyncs_and_come_back_the_same(offloader, monkeypatch):
     # [Note: scratch files]: durable=False, at the first offload and every rewrite
     offload_some(offloader)  # the swap folder claimed (its marker is synced)
-    synced = []
+    synced: list[int] = []
     real = os.fsync
-    monkeypatch.setattr(_nvme.os, "fsync", lambda fd: synced.append(fd) or real(fd))
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)  # _nvme calls os.fsync
     tensors, expected, handle = offload_some(offloader, durable=False)
     assert handle.path is not None
     assert not synced

@@ -251,11 +251,12 @@ class NvmeShardStore:
         held = self._held.get(key)
         if held is None:
             return
-        handle = held[0]
+        handle, written = held
         try:
             handle.wait()
             if handle.state == "resident":
-                handle.offload(rewrite=False)
+                # unchanged unless something wrote it without asking for it: then written
+                handle.offload(rewrite=handle.tensors["shard"]._version != written)
         except zoffload.OffloadError as error:  # kept in memory; agreed at the next step
             self._note_failure(error)
 
