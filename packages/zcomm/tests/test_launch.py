@@ -347,7 +347,19 @@ def test_two_ranks_with_core_binding_and_rank_logs(tmp_path: Path) -> None:
 def test_no_python_and_a_failing_rank(tmp_path: Path) -> None:
     """``--no_python`` execs the script itself; a rank's exit status is the launch's."""
     script = tmp_path / "run.sh"
-    script.write_text('#!/bin/sh\necho "RANK=$RANK ARGS=$*"\n[ "$RANK" = 1 ] && exit 5\nexit 0\n')
+    # rank 1 fails once rank 0 has printed (a marker file, at most 20 s): failing first, it
+    # could have the agent stop rank 0 before its line was out
+    script.write_text(
+        "#!/bin/sh\n"
+        'echo "RANK=$RANK ARGS=$*"\n'
+        'if [ "$RANK" = 1 ]; then\n'
+        "  i=0\n"
+        '  while [ ! -f rank0.done ] && [ "$i" -lt 400 ]; do sleep 0.05; i=$((i + 1)); done\n'
+        "  exit 5\n"
+        "fi\n"
+        "touch rank0.done\n"
+        "exit 0\n"
+    )
     script.chmod(0o755)
     proc = _launch(["--num_gpus", "2", "--no_python", "./run.sh", "x"], tmp_path)
     assert proc.returncode == 5, proc.stdout + proc.stderr
