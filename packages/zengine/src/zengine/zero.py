@@ -27,6 +27,7 @@ import zpartition
 from zengine._assembly import hybrid_groups
 from zengine._config import ConfigError, ConfigSource, EngineConfig, load_config, read_config
 from zengine._engine import Engine
+from zengine._initialize import DataParallelUnit
 from zengine._offload import NvmeShardStore, nvme_offloader
 from zpartition import (
     GatheredParameters,
@@ -83,7 +84,7 @@ class Init(zpartition.Init):
         config: ConfigSource = None,
         enabled: bool = True,
         dtype: torch.dtype | None = None,
-        mpu: object = None,
+        mpu: DataParallelUnit | None = None,
         zero_quantized_weights: bool = False,
         zero_quantized_nontrainable_weights: bool = False,
         *,
@@ -98,7 +99,7 @@ class Init(zpartition.Init):
             if not dist.is_initialized():
                 zcomm.init_distributed()
             if data_parallel_group is None and mpu is not None:
-                data_parallel_group = mpu.get_data_parallel_group()  # type: ignore[attr-defined]
+                data_parallel_group = mpu.get_data_parallel_group()
             cfg = self._read(given, data_parallel_group, replicate_group)
             if data_parallel_group is None and replicate_group is None:
                 data_parallel_group, replicate_group = hybrid_groups(cfg, None)

@@ -585,22 +585,25 @@ class ShardedLayout:
             self.shard_store.write_behind = params is not None
         units = self._units_of(params)
         self._take_written()
-        if units is not None and self.shard_store is not None and not self.aliased:
+        store = self.shard_store
+        if units is not None and params is not None and store is not None and not self.aliased:
             # [Note: shards the step overwrites]: not read, reclaimed by `write_back`
-            self._overwrite = [u for u in units if self._overwritten(u, params)]
-            units = [u for u in units if not any(u is o for o in self._overwrite)]
+            stepped = {id(p) for p in params}
+            self._overwrite = [u for u in units if self._overwritten(u, stepped)]
+            skipped = {id(u) for u in self._overwrite}
+            units = [u for u in units if id(u) not in skipped]
         if self.partitioned is not None:
             self.partitioned.fetch_shards(units)
         self._read_written(params)
 
-    def _overwritten(self, unit: zpartition.Unit, params: Sequence[nn.Parameter] | None) -> bool:
-        """Whether the write-back of `params` overwrites every parameter of `unit`'s shard,
-        which the store keeps and none of which was written through ``ds_tensor``."""
-        if unit.store is not self.shard_store or unit.codes is not None or params is None:
+    def _overwritten(self, unit: zpartition.Unit, stepped: set[int]) -> bool:
+        """Whether the write-back of the `stepped` parameters (ids) overwrites every parameter
+        of `unit`'s shard, which the store keeps and none of which was written through
+        ``ds_tensor``."""
+        if unit.store is not self.shard_store or unit.codes is not None:
             return False
-        mine = {id(p) for p in params}
         return all(
-            id(p) in mine and id(p) in self._pair_of and id(p) not in self._written
+            id(p) in stepped and id(p) in self._pair_of and id(p) not in self._written
             for p in unit.params
         )
 
@@ -608,8 +611,8 @@ class ShardedLayout:
         """A shard written through ``ds_tensor`` (DeepSpeed code writes ``param.ds_tensor.data
         = t``) into its master, before the step (of these parameters, or all) would write the
         old master back over it; fp32 shards that are their own masters hold the write
-        already. Nothing is done while nothing was written."""
-        self._take_written()
+        already. Nothing is done while nothing was written (`before_step` has taken the
+        writes)."""
         if not self._written or self.aliased:
             self._written.clear()
             return
